@@ -1,0 +1,5 @@
+import sys
+
+from sparseforge.cli import main
+
+sys.exit(main())

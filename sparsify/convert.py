@@ -1,0 +1,85 @@
+"""Conversion: a dense SwiGLU model becomes a sparse model with the same weights and key names.
+
+Only the MLP activation changes (see hf_code/modeling_sparseforge.py for the kinds); with
+`activation="silu"` the converted model computes exactly what the original does.
+"""
+
+import torch
+
+from sparseforge.checkpoint import sparse_config
+from sparseforge.errors import SparseforgeError
+from sparseforge.families import family_for, is_sparse
+from sparseforge.sparsify.hf_code.modeling_sparseforge import ACTIVATIONS
+
+THRESHOLDED = ("shifted_relu", "fatrelu")
+
+
+def parse_thresholds(value: str | None, activation: str, num_layers: int) -> list[float] | None:
+    """`--threshold` -> per-layer list. Accepts one number (all layers) or one per layer, comma-separated."""
+    if activation not in THRESHOLDED:
+        if value is not None:
+            raise SparseforgeError(f"--threshold applies to {' and '.join(THRESHOLDED)} only, not to --activation {activation}")
+        return None
+    if value is None:
+        raise SparseforgeError(f"--activation {activation} needs --threshold T (one number, or {num_layers} comma-separated)")
+    try:
+        values = [float(v) for v in value.split(",")]
+    except ValueError:
+        raise SparseforgeError(f"--threshold {value!r} is not a number or a comma-separated list of numbers") from None
+    if len(values) == 1:
+        values = values * num_layers
+    if len(values) != num_layers:
+        raise SparseforgeError(f"--threshold has {len(values)} values; the model has {num_layers} layers: give 1 or {num_layers}")
+    return values
+
+
+def convert_model(model, activation: str, thresholds: list[float] | None = None):
+    """Dense HF causal LM -> sparseforge sparse model sharing the same tensors (no copy).
+
+    The sparse model is built on the meta device and takes the original's parameters and buffers by
+    name, so conversion costs no extra weight memory and fails loudly if any key differs.
+    """
+    if activation not in ACTIVATIONS:
+        raise SparseforgeError(f"unknown --activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
+    if is_sparse(model.config):
+        raise SparseforgeError("the model is already a sparseforge sparse model; convert its dense original instead")
+    family = family_for(model.config.model_type)
+    config = sparse_config(model.config, activation, thresholds)
+    _, model_cls = family.classes()
+    with torch.device("meta"):
+        sparse = model_cls(config)
+    state = model.state_dict()
+    missing, unexpected = sparse.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise SparseforgeError(f"weights do not map one to one: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, buffer in model.named_buffers():  # non-persistent buffers (rotary inv_freq) are not in state_dict
+        owner, _, attr = name.rpartition(".")
+        sparse.get_submodule(owner)._buffers[attr] = buffer
+    if config.tie_word_embeddings:
+        sparse.tie_weights()
+    on_meta = [n for n, t in list(sparse.named_parameters()) + list(sparse.named_buffers()) if t.is_meta]
+    if on_meta:
+        raise SparseforgeError(f"conversion left tensors uninitialized: {on_meta[:5]}")
+    sparse.generation_config = model.generation_config
+    return sparse.eval()
+
+
+def model_card(source: str, config) -> str:
+    """A short model card; the scorecard stage replaces it with a fuller one."""
+    s = config.sparsity
+    return f"""---
+library_name: transformers
+tags: [sparseforge, activation-sparsity, {s['activation']}]
+---
+# {s['activation']} conversion of `{source}`
+
+Converted by sparseforge: the SwiGLU MLPs of this `{s['base_model_type']}` model use the
+`{s['activation']}` activation; weights and key names are those of the base architecture.
+Not trained after conversion: quality is that of the converted weights.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained(PATH_OR_REPO, trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained(PATH_OR_REPO, trust_remote_code=True)
+```
+"""

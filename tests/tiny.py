@@ -1,0 +1,72 @@
+"""Tiny random models of every supported family, and a tiny tokenizer, built offline in the test."""
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "Question: what is 12 times 7?\nAnswer: 12 * 7 = 84. #### 84",
+    "Sparse activations let a runtime skip most of the MLP weights for each token.",
+]
+
+FAMILY_CLASSES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
+}
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (~300 tokens) trained on a few lines; EOS is <|endoftext|>."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(TEXT * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
+def tiny_model(family: str = "llama", seed: int = 0, vocab_size: int = 300, layers: int = 2, **overrides):
+    """A random dense model of `family` with hidden 64, intermediate 128, fp32, eval mode."""
+    config_cls, model_cls = FAMILY_CLASSES[family]
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=family == "llama",
+        eos_token_id=0,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    if family == "mixtral":
+        kwargs.update(num_local_experts=4, num_experts_per_tok=2)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).eval()
+    with torch.no_grad():  # larger than HF's 0.02 init so activations are not all near zero
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    return model
