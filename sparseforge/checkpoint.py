@@ -12,6 +12,7 @@ Every write is atomic: files are written to a temporary name and renamed into pl
 checkpoint is assembled in a temporary sibling directory and renamed when complete.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -104,26 +105,34 @@ def sparse_config(base_config, activation: str, thresholds: list[float] | None):
     return config
 
 
-def save_sparse(model, tokenizer, out: str | Path, force: bool = False, card: str | None = None) -> Path:
-    """Write a complete sparse checkpoint to `out` atomically (assembled in a temp dir, then renamed)."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise SparseforgeError(f"output {str(out)!r} already exists; choose another --out or pass --force to replace it")
+@contextlib.contextmanager
+def atomic_directory(out: Path):
+    """Yield a temporary sibling of `out` to fill; on success it replaces `out` whole, on failure it is removed."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        for name in HF_CODE_FILES:
-            shutil.copyfile(_hf_code_dir() / name, tmp / name)
-        if card:
-            (tmp / "README.md").write_text(card)
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary shared directory
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def save_sparse(model, tokenizer, out: str | Path, force: bool = False, card: str | None = None) -> Path:
+    """Write a complete sparse checkpoint to `out` atomically (assembled in a temp dir, then renamed)."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise SparseforgeError(f"output {str(out)!r} already exists; choose another --out or pass --force to replace it")
+    with atomic_directory(out) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for name in HF_CODE_FILES:
+            shutil.copyfile(_hf_code_dir() / name, tmp / name)
+        if card:
+            (tmp / "README.md").write_text(card)
     return out
 
 

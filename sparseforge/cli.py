@@ -13,7 +13,7 @@ from sparseforge import __version__
 from sparseforge.errors import SparseforgeError
 
 # verb -> module whose `register(subparsers)` adds it
-STAGE_CLIS = ("sparseforge.sparsify.cli",)
+STAGE_CLIS = ("sparseforge.sparsify.cli", "sparseforge.train.cli", "sparseforge.predictors.cli", "sparseforge.eval.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,17 +35,22 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_command(func, args) -> int:
+    """Run one verb: SparseforgeError -> one line on stderr, exit 2."""
     try:
         _quiet_libraries()
-        return args.func(args) or 0
+        return func(args) or 0
     except SparseforgeError as e:
         print(f"sparseforge {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"sparseforge {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":

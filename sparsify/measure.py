@@ -95,11 +95,13 @@ def measure_sparsity(model, windows: Iterable[list[int]], tokens: int, batch_siz
 def take_tokens(windows: Iterable[list[int]], tokens: int) -> Iterator[list[int]]:
     """The windows of a stream up to exactly `tokens` tokens (the last one cut short if needed)."""
     left = tokens
-    for window in windows:
-        if left <= 0:
-            return
+    if left <= 0:
+        return
+    for window in windows:  # never pulls a window past the budget
         yield window[:left]
         left -= len(window[:left])
+        if left <= 0:
+            return
 
 
 def batches(windows: Iterable[list[int]], batch_size: int) -> Iterator[list[list[int]]]:

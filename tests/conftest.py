@@ -1,4 +1,26 @@
+import gzip
+import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import TEXT, tiny_model, tiny_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory):
+    """A tiny dense Llama (model + tokenizer) and web/code/math jsonl.gz sources: root/dense, root/data/*."""
+    root = tmp_path_factory.mktemp("train")
+    tiny_model("llama").save_pretrained(root / "dense")
+    tiny_tokenizer().save_pretrained(root / "dense")
+    for i, name in enumerate(["web", "code", "math"]):
+        (root / "data" / name).mkdir(parents=True)
+        with gzip.open(root / "data" / name / "sample.jsonl.gz", "wt") as f:
+            for d in range(60):
+                f.write(json.dumps({"text": f"{name} document {d}. " + TEXT[(i + d) % len(TEXT)] * (1 + d % 3)}) + "\n")
+    return root
+
+

@@ -65,3 +65,15 @@ def test_loss_is_the_models_own_loss():
     with torch.no_grad():
         expected = sparse(ids, labels=ids).loss.item()
     assert report["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_take_tokens_pulls_nothing_past_the_budget():
+    pulled = []
+
+    def stream():
+        for w in _windows(5, 10):
+            pulled.append(w)
+            yield w
+
+    assert sum(len(w) for w in take_tokens(stream(), 20)) == 20
+    assert len(pulled) == 2

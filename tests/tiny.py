@@ -70,3 +70,30 @@ def tiny_model(family: str = "llama", seed: int = 0, vocab_size: int = 300, laye
             if p.dim() >= 2:
                 p.normal_(0, 0.1)
     return model
+
+
+def tiny_recipe(workspace, out, **overrides) -> dict:
+    """A 2x2-step training recipe over the `workspace` fixture (tiny Llama, web/code/math sources)."""
+    raw = {
+        "model": str(workspace / "dense"),
+        "output_dir": str(out),
+        "data_root": str(workspace / "data"),
+        "sources": {
+            "web": {"path": "web/*.jsonl.gz", "weight": 0.5},
+            "code": {"path": "code/*.jsonl.gz", "weight": 0.25},
+            "math": {"path": "math/*.jsonl.gz", "weight": 0.25},
+        },
+        "seq_len": 32,
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "max_steps": 4,
+        "lr": 1e-3,
+        "warmup_steps": 1,
+        "val_every": 10,
+        "val_tokens": 64,
+        "eval_every": 2,
+        "save_every": 2,
+        "device": "cpu",
+    }
+    raw.update(overrides)
+    return raw

@@ -1,0 +1,83 @@
+"""Predictors in the checkpoint: `predictors.safetensors` (weights) + `predictors.json` (ranks, thresholds,
+statistics). See docs/formats.md.
+
+Keys: `layers.{i}.fc1.weight` [rank, H] and `layers.{i}.fc2.weight` [I, rank] for dense MLPs;
+`layers.{i}.experts.{e}.fc1.weight` / `.fc2.weight` for MoE experts. A unit without weights (an expert
+no training token reached) has threshold null in the JSON and is treated as all-active.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sparseforge.checkpoint import read_artifact, write_artifact
+from sparseforge.errors import SparseforgeError
+from sparseforge.predictors.fit import FittedUnit
+from sparseforge.predictors.model import LowRankPredictor
+from sparseforge.predictors.tensorfile import load_tensors, save_tensors
+
+PREDICTORS_FORMAT_VERSION = 1
+WRITER = "sparseforge predictors train"
+
+
+def unit_prefix(layer: int, expert: int, moe: bool) -> str:
+    return f"layers.{layer}.experts.{expert}" if moe else f"layers.{layer}"
+
+
+@dataclass
+class PredictorSet:
+    """Loaded predictors: per (layer, expert) a LowRankPredictor (or None = all active) and its threshold."""
+
+    predictors: dict[tuple[int, int], LowRankPredictor | None]
+    thresholds: dict[tuple[int, int], float]
+    report: dict = field(default_factory=dict)
+
+    def predict(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, H] -> predicted-active mask [N, I] bool."""
+        model = self.predictors[(layer, expert)]
+        if model is None:
+            return torch.ones(x.shape[0], self.report["intermediate_size"], dtype=torch.bool, device=x.device)
+        return model(x.to(model.fc1.weight.dtype)) >= self.thresholds[(layer, expert)]
+
+    def to(self, device) -> "PredictorSet":
+        for model in self.predictors.values():
+            if model is not None:
+                model.to(device)
+        return self
+
+
+def save_predictors(ckpt: str | Path, fitted: list[FittedUnit], report: dict) -> None:
+    """Write predictors.safetensors then predictors.json (both atomically). report: run settings + totals."""
+    moe = report["num_experts"] > 1
+    tensors, units = {}, []
+    for unit in fitted:
+        prefix = unit_prefix(unit.layer, unit.expert, moe)
+        if unit.predictor is not None:
+            tensors[f"{prefix}.fc1.weight"] = unit.predictor.fc1.weight.detach().float()
+            tensors[f"{prefix}.fc2.weight"] = unit.predictor.fc2.weight.detach().float()
+        threshold = None if unit.predictor is None else unit.threshold
+        units.append({"layer": unit.layer, "expert": unit.expert, "threshold": threshold, **unit.stats})
+    save_tensors(Path(ckpt) / "predictors.safetensors", tensors, {"format_version": str(PREDICTORS_FORMAT_VERSION)})
+    write_artifact(ckpt, "predictors", {**report, "units": units}, PREDICTORS_FORMAT_VERSION)
+
+
+def load_predictors(ckpt: str | Path) -> PredictorSet:
+    """The checkpoint's predictors, checked against their JSON; SparseforgeError if missing or stale."""
+    report = read_artifact(ckpt, "predictors", PREDICTORS_FORMAT_VERSION)
+    tensors = load_tensors(Path(ckpt) / "predictors.safetensors", PREDICTORS_FORMAT_VERSION, WRITER)
+    moe = report["num_experts"] > 1
+    predictors, thresholds = {}, {}
+    for unit in report["units"]:
+        key, prefix = (unit["layer"], unit["expert"]), unit_prefix(unit["layer"], unit["expert"], moe)
+        if unit["threshold"] is None:
+            predictors[key], thresholds[key] = None, float("-inf")
+            continue
+        try:
+            fc1, fc2 = tensors[f"{prefix}.fc1.weight"], tensors[f"{prefix}.fc2.weight"]
+        except KeyError as e:
+            raise SparseforgeError(f"{ckpt}/predictors.safetensors lacks {e.args[0]} listed in predictors.json; re-run `{WRITER}`") from None
+        model = LowRankPredictor(fc1.shape[1], fc2.shape[0], fc1.shape[0])
+        model.load_state_dict({"fc1.weight": fc1, "fc2.weight": fc2})
+        predictors[key], thresholds[key] = model.eval().requires_grad_(False), float(unit["threshold"])
+    return PredictorSet(predictors, thresholds, report)

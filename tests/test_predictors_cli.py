@@ -1,0 +1,119 @@
+"""The predictors verbs end to end on a tiny checkpoint, the PowerInfer layout, and one-line errors."""
+
+import gzip
+import json
+
+import pytest
+import torch
+from tiny import tiny_model, tiny_tokenizer
+
+from sparseforge.checkpoint import save_sparse
+from sparseforge.cli import main
+from sparseforge.predictors.powerinfer import fold_thresholds
+from sparseforge.predictors.store import load_predictors
+from sparseforge.sparsify.convert import convert_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "text.jsonl.gz"
+    words = "the quick brown fox jumps over lazy dog def add return question answer sparse".split()
+    g = torch.Generator().manual_seed(0)
+    with gzip.open(path, "wt") as f:
+        for i in range(300):
+            text = " ".join(words[j] for j in torch.randint(0, len(words), (30,), generator=g).tolist())
+            f.write(json.dumps({"text": f"Document {i}: {text}."}) + "\n")
+    return path
+
+
+def _sparse(tmp_path, family="llama"):
+    path = tmp_path / f"sparse-{family}"
+    save_sparse(convert_model(tiny_model(family), "drelu"), tiny_tokenizer(), path)
+    return path
+
+
+def test_profile_train_eval_export(tmp_path, text_file, capsys):
+    ckpt = _sparse(tmp_path)
+    data = ["--data", str(text_file), "--seq-len", "32", "--no-progress"]
+    assert main(["profile", str(ckpt), "--tokens", "512", "--coact-tokens", "64", "--block-size", "16", *data]) == 0
+    profile = json.loads((ckpt / "profile.json").read_text())
+    assert profile["format_version"] == 1 and profile["tokens"] == 512 and len(profile["layers"]) == 2
+    assert main(["predictors", "train", str(ckpt), "--tokens", "1024", "--heldout-tokens", "256", "--budget", "0.5",
+                 "--max-epochs", "3", "--pilot-rank", "16", "--pilot-epochs", "1", "--min-rank", "8", *data]) == 0  # fmt: skip
+    report = json.loads((ckpt / "predictors.json").read_text())
+    assert report["format_version"] == 1 and report["params_fraction"] <= 0.5 and report["heldout"]["recall"] >= 0.99
+    assert [u["layer"] for u in report["units"]] == [0, 1] and all(u["threshold"] is not None for u in report["units"])
+    assert main(["predictors", "eval", str(ckpt), "--tokens", "256", *data]) == 0
+    assert "oracle mask" in capsys.readouterr().out
+    ev = json.loads((ckpt / "predictors.json").read_text())["eval"]
+    assert ev["oracle"]["perplexity"] == ev["dense"]["perplexity"] and ev["skip_tokens"] >= 1280
+
+    out = tmp_path / "powerinfer"
+    assert main(["export", str(ckpt), "--format", "powerinfer", "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "bamboo" and config["rope_theta"] > 0 and config["tie_word_embeddings"] is False
+    from safetensors.torch import load_file
+
+    weights = load_file(out / "model.safetensors")
+    assert torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])  # untied copy
+    assert "model.layers.1.mlp.down_proj.weight" in weights
+    threshold = json.loads((out / "predictor" / "config.json").read_text())["sparse_threshold"]
+    predictors = load_predictors(ckpt)
+    for i, unit in enumerate(report["units"]):
+        pred = torch.load(out / "predictor" / f"model_{i}.pt")
+        assert set(pred) == {"fc1.weight", "fc2.weight"}
+        assert pred["fc1.weight"].shape == (unit["rank"], 64) and pred["fc2.weight"].shape == (128, unit["rank"])
+        counts = torch.load(out / "activation" / f"activation_{i}.pt")
+        assert counts.shape == (128,) and counts.sum() > 0
+        # the folded global threshold decides as the per-layer one did
+        x = torch.randn(50, 64)
+        exported = (x @ pred["fc1.weight"].T).relu() @ pred["fc2.weight"].T >= threshold
+        assert (exported == predictors.predict(i, 0, x)).float().mean() > 0.999
+    assert (out / "vocab.json").is_file() and (out / "merges.txt").read_text().startswith("#version")
+    assert not list(out.glob("*.pt"))  # convert.py globs *.pt in the model dir only when no safetensors exist
+
+
+def test_fold_thresholds_moves_every_layer_to_one_threshold():
+    g = torch.Generator().manual_seed(0)
+    fc2s = [torch.randn(8, 4, generator=g) for _ in range(3)]
+    hidden = torch.rand(20, 4, generator=g)
+    thresholds = [-0.5, -2.0, -1.0]
+    folded, target = fold_thresholds(fc2s, thresholds)
+    assert target == -1.0
+    for fc2, new, t in zip(fc2s, folded, thresholds):
+        assert torch.equal(hidden @ fc2.T >= t, hidden @ new.T >= target)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["profile", "{ckpt}", "--tokens", "0"], "--tokens must be positive, got 0"),
+        (["profile", "{dense}"], "is not a sparse checkpoint"),
+        (["profile", "{ckpt}", "--data", "/nonexistent/*.jsonl"], "no files match"),
+        (["predictors", "train", "{ckpt}", "--target-recall", "1.5"], "--target-recall must be in (0, 1), got 1.5"),
+        (["predictors", "eval", "{ckpt}"], "predictors.json does not exist"),
+        (["export", "{ckpt}", "--format", "powerinfer", "--out", "{tmp}/pi"], "profile.json does not exist"),
+        (["export", "{moe}", "--format", "powerinfer", "--out", "{tmp}/pi"], "dense Llama/Mistral"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, text_file, capsys, argv, message):
+    ckpt = _sparse(tmp_path)
+    dense = tmp_path / "dense"
+    tiny_model("llama").save_pretrained(dense)
+    tiny_tokenizer().save_pretrained(dense)
+    moe = _sparse(tmp_path, "mixtral") if "{moe}" in argv else None
+    fill = {"{ckpt}": str(ckpt), "{dense}": str(dense), "{moe}": str(moe), "{tmp}/pi": str(tmp_path / "pi")}
+    argv = [fill.get(a, a) for a in argv]
+    if "--data" not in argv and argv[0] != "export":
+        argv += ["--data", str(text_file)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

@@ -1,0 +1,59 @@
+"""Training-time hooks on each MLP's activation: sparsity counting, the L1 penalty (ProSparse), and the
+gradual SwiGLU -> sparse swap. The checkpoint's modeling code is untouched; all of this lives here.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from sparseforge.families import mlp_activations
+
+
+class ActivationHooks:
+    """Forward hooks on every `GatedActivation` of a sparse model.
+
+    alpha: blend of the target activation (1.0) with the original SwiGLU silu(g)*u (0.0).
+    collect_l1: keep mean |h| per layer (with grad) for the L1 penalty of the current forward.
+    """
+
+    def __init__(self, model, collect_l1: bool = False):
+        self.alpha = 1.0
+        self.collect_l1 = collect_l1
+        acts = mlp_activations(model)
+        self.zeros = torch.zeros(len(acts), dtype=torch.float64)
+        self.total = torch.zeros(len(acts), dtype=torch.float64)
+        self._l1: list[torch.Tensor] = []
+        self.handles = [a.register_forward_hook(self._hook(i)) for i, a in enumerate(acts)]
+
+    def _hook(self, layer: int):
+        def hook(module, args, h):  # args: (gate, up), each [..., I]; h: [..., I]
+            if self.alpha < 1.0:
+                gate, up = args[0], args[1]
+                h = self.alpha * h + (1.0 - self.alpha) * F.silu(gate) * up
+            with torch.no_grad():
+                self.zeros[layer] += (h == 0).sum().item()
+                self.total[layer] += h.numel()
+            if self.collect_l1 and torch.is_grad_enabled():
+                self._l1.append(h.abs().float().mean())
+            return h
+
+        return hook
+
+    def pop_l1(self) -> torch.Tensor | None:
+        """Mean over layers of mean |h| since the last call (None when nothing was collected)."""
+        if not self._l1:
+            return None
+        value = torch.stack(self._l1).mean()
+        self._l1.clear()
+        return value
+
+    def pop_sparsity(self) -> list[float]:
+        """Per-layer exact-zero fraction since the last call."""
+        fractions = (self.zeros / self.total.clamp(min=1)).tolist()
+        self.zeros.zero_()
+        self.total.zero_()
+        return fractions
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()

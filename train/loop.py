@@ -1,0 +1,276 @@
+"""The continued-pretraining loop on accelerate (single CPU/GPU, DDP, DeepSpeed ZeRO, FSDP: whatever
+`accelerate launch` was configured with; nothing distributed is hand-written here).
+
+Run directory (`output_dir`):
+    recipe.yaml          the resolved recipe
+    metrics.jsonl        one JSON line per logged step / validation / stage (main process)
+    layerwise.json       per-layer stats of layer-wise distillation (when enabled)
+    state/step-NNNNNN/   resumable state: accelerate's (model, optimizer, scheduler, RNG) + data.json
+    checkpoint/          the result: a sparse checkpoint, same contract as `sparseforge convert`
+"""
+
+import copy
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from sparseforge.checkpoint import atomic_write_text, save_sparse
+from sparseforge.errors import SparseforgeError
+from sparseforge.families import is_sparse
+from sparseforge.sources import load_model
+from sparseforge.sparsify.convert import convert_model, model_card
+from sparseforge.train.hooks import ActivationHooks
+from sparseforge.train.layerwise import distill_layerwise
+from sparseforge.train.mixture import build_mixture, validation_windows
+from sparseforge.train.recipe import Recipe
+from sparseforge.train.schedules import lr_multiplier, ramp
+
+
+def _models(r: Recipe):
+    """(student sparse model, tokenizer, dense teacher or None)."""
+    model, tokenizer, _ = load_model(r.model, dtype="float32")
+    needs_teacher = r.distill_kl > 0 or r.layerwise_tokens > 0
+    if is_sparse(model.config):
+        teacher = load_model(r.teacher, dtype="float32")[0] if needs_teacher and r.teacher else None
+        if needs_teacher and teacher is None:
+            raise SparseforgeError("distill_kl / layerwise_tokens need a dense teacher: set recipe key 'teacher' (model is already sparse)")
+        return model, tokenizer, teacher
+    teacher = load_model(r.teacher, dtype="float32")[0] if r.teacher else (copy.deepcopy(model) if needs_teacher else None)
+    thresholds = [r.threshold] * model.config.num_hidden_layers if r.threshold is not None else None
+    return convert_model(model, r.activation, thresholds), tokenizer, teacher
+
+
+class MetricsLog:
+    """Append-only JSON Lines (main process only); on resume, lines after the resumed step are dropped."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None):
+        self.path, self.enabled = path, enabled
+        if enabled and resume_step is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= resume_step]
+            atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def _latest_state(state_dir: Path) -> Path | None:
+    steps = sorted(p for p in state_dir.glob("step-*") if (p / "data.json").is_file())
+    return steps[-1] if steps else None
+
+
+def _save_state(accelerator, state_dir: Path, step: int, mixture, keep: int) -> None:
+    final = state_dir / f"step-{step:06d}"
+    tmp = state_dir / f".tmp-step-{step:06d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        (tmp / "data.json").write_text(json.dumps({"step": step, "mixture": mixture.state_dict()}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # a state directory is complete or absent
+        for old in sorted(state_dir.glob("step-*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def _distill_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(teacher || student) per token, with temperature. logits: [B, S, V]."""
+    t = temperature
+    log_p_s = F.log_softmax(student_logits.float() / t, dim=-1)
+    log_p_t = F.log_softmax(teacher_logits.float() / t, dim=-1)
+    return F.kl_div(log_p_s.flatten(0, 1), log_p_t.flatten(0, 1), log_target=True, reduction="batchmean") * t * t
+
+
+@torch.no_grad()
+def evaluate(model, val: dict[str, list[list[int]]], device, batch: int) -> dict[str, float]:
+    """Mean next-token loss per validation source."""
+    was_training = model.training
+    model.eval()
+    out = {}
+    for name, windows in val.items():
+        total, count = 0.0, 0
+        for i in range(0, len(windows), batch):
+            ids = torch.tensor(windows[i : i + batch], device=device)
+            logits = model(input_ids=ids, use_cache=False).logits
+            total += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum").item()
+            count += ids[:, 1:].numel()
+        out[name] = total / count
+    model.train(was_training)
+    return out
+
+
+def _configure_deepspeed(accelerator, r: Recipe) -> None:
+    """DeepSpeed takes batch size, accumulation and clipping from its own config: fill and cross-check them."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    ds = plugin.deepspeed_config
+    ds["train_micro_batch_size_per_gpu"] = r.micro_batch_size
+    for key, ours, recipe_key in (("gradient_accumulation_steps", r.gradient_accumulation_steps, "gradient_accumulation_steps"),
+                                  ("gradient_clipping", r.grad_clip, "grad_clip")):
+        theirs = ds.get(key, "auto")
+        if theirs != "auto" and float(theirs) != float(ours):
+            raise SparseforgeError(f"accelerate DeepSpeed config has {key}: {theirs} but the recipe has {recipe_key}: {ours}; make them equal")
+
+
+def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> Path | None:
+    """Run a recipe; returns the path of the resulting sparse checkpoint.
+
+    stop_after: save the state and return None after this many steps (an interruption on purpose, to
+    run a long recipe in time-boxed pieces with --resume).
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    run_dir = Path(r.output_dir)
+    state_dir = run_dir / "state"
+    latest = _latest_state(state_dir) if resume else None
+    if resume and latest is None:
+        raise SparseforgeError(f"--resume: no saved state under {state_dir}; start without --resume")
+    if not resume and state_dir.exists() and any(state_dir.glob("step-*")):
+        raise SparseforgeError(f"{run_dir} already holds a run; pass --resume to continue it or choose another output_dir")
+
+    accelerator = Accelerator(
+        gradient_accumulation_steps=r.gradient_accumulation_steps,
+        mixed_precision=r.mixed_precision,
+        log_with=r.report_to or None,
+        project_dir=str(run_dir),
+        cpu=r.device == "cpu",
+    )
+    _configure_deepspeed(accelerator, r)
+    set_seed(r.seed)
+    main = accelerator.is_main_process
+    if main:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(r.to_dict(), sort_keys=False))
+    if r.report_to:
+        accelerator.init_trackers("sparseforge", config=r.to_dict())
+    resume_step = json.loads((latest / "data.json").read_text())["step"] if latest else None
+    log = MetricsLog(run_dir / "metrics.jsonl", main, resume_step)
+
+    model, tokenizer, teacher = _models(r)
+    val = validation_windows(r.sources, tokenizer, r.seq_len, r.val_every, r.val_tokens, r.data_root)
+    mixture = build_mixture(r.sources, tokenizer, r.seq_len, r.val_every, r.seed, r.data_root)
+
+    layerwise_done = run_dir / "layerwise.json"
+    if r.layerwise_tokens and latest is None and not layerwise_done.exists():
+        windows = []
+        while len(windows) * r.seq_len < r.layerwise_tokens:
+            windows.append(mixture.next_window()[1])
+        mixture = build_mixture(r.sources, tokenizer, r.seq_len, r.val_every, r.seed, r.data_root)  # e2e starts afresh
+        before = evaluate(model, val, "cpu", r.micro_batch_size)
+        start = time.perf_counter()
+        stats = distill_layerwise(model, teacher, windows, r.layerwise_epochs, r.layerwise_lr, r.layerwise_batch_tokens,
+                                  r.layerwise_inputs, r.micro_batch_size, r.seed, progress and main)
+        after = evaluate(model, val, "cpu", r.micro_batch_size)
+        record = {"stage": "layerwise", "step": 0, "tokens": len(windows) * r.seq_len, "seconds": time.perf_counter() - start,
+                  "val_loss_before": before, "val_loss_after": after, "layers": stats}
+        log.write({k: v for k, v in record.items() if k != "layers"})
+        if main:
+            atomic_write_text(layerwise_done, json.dumps(record, indent=1) + "\n")
+    if r.distill_kl == 0:
+        teacher = None
+
+    hooks = ActivationHooks(model, collect_l1=r.l1_coef > 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=r.lr, betas=tuple(r.betas), weight_decay=r.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, r.warmup_steps, r.max_steps, r.min_lr_ratio))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if teacher is not None:
+        teacher = teacher.to(accelerator.device).eval().requires_grad_(False)
+
+    log.write({"step": resume_step or 0, "event": "resume" if latest else "start", "distributed_type": accelerator.distributed_type.value,
+               "num_processes": accelerator.num_processes, "device": str(accelerator.device), "mixed_precision": accelerator.mixed_precision})
+    step = 0
+    if latest is not None:
+        accelerator.load_state(str(latest))
+        data = json.loads((latest / "data.json").read_text())
+        mixture.load_state_dict(data["mixture"])
+        step = data["step"]
+        accelerator.print(f"resumed from {latest} at step {step}")
+    else:
+        log.write({"step": 0, "val_loss": evaluate(model, val, accelerator.device, r.micro_batch_size)})
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    tokens_per_step = r.micro_batch_size * world * r.gradient_accumulation_steps * r.seq_len
+    model.train()
+    bar = tqdm(total=r.max_steps, initial=step, desc="train", unit="step", disable=not (progress and main))
+    started = time.perf_counter()
+    while step < r.max_steps:
+        if stop_after is not None and step >= stop_after:
+            _save_state(accelerator, state_dir, step, mixture, r.keep_states)
+            accelerator.print(f"stopped after step {step} as asked; continue with --resume")
+            return None
+        hooks.alpha = ramp(step, r.swap_steps)
+        l1_weight = r.l1_coef * ramp(step, r.l1_ramp_steps)
+        lm_sum, kl_sum, l1_sum = 0.0, 0.0, 0.0
+        for _ in range(r.gradient_accumulation_steps):
+            batch = mixture.next_batch(r.micro_batch_size * world)[rank * r.micro_batch_size : (rank + 1) * r.micro_batch_size]
+            ids = torch.tensor(batch, device=accelerator.device)  # [B, S]
+            with accelerator.accumulate(model):
+                out = model(input_ids=ids, labels=ids, use_cache=False)
+                loss = out.loss
+                lm_sum += out.loss.item()
+                if teacher is not None:
+                    with torch.no_grad():
+                        teacher_logits = teacher(input_ids=ids, use_cache=False).logits
+                    kl = _distill_kl(out.logits, teacher_logits, r.distill_temperature)
+                    loss = loss + r.distill_kl * kl
+                    kl_sum += kl.item()
+                l1 = hooks.pop_l1()
+                if l1 is not None:
+                    loss = loss + l1_weight * l1
+                    l1_sum += l1.item()
+                accelerator.backward(loss)
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), r.grad_clip) if accelerator.sync_gradients and r.grad_clip > 0 else None
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+        step += 1
+        bar.update(1)
+        n = r.gradient_accumulation_steps
+        if step % r.log_every == 0 or step == r.max_steps:
+            sparsity = hooks.pop_sparsity()
+            record = {"step": step, "loss": lm_sum / n, "lr": scheduler.get_last_lr()[0], "tokens": step * tokens_per_step,
+                      "tokens_per_s": (step - (resume_step or 0)) * tokens_per_step / (time.perf_counter() - started),
+                      "mlp_zero_fraction": sum(sparsity) / len(sparsity), "mlp_zero_fraction_per_layer": [round(s, 4) for s in sparsity]}
+            if grad_norm is not None:
+                record["grad_norm"] = float(grad_norm)
+            if teacher is not None:
+                record["distill_kl"] = kl_sum / n
+            if r.l1_coef > 0:
+                record.update(l1=l1_sum / n, l1_weight=l1_weight)
+            if r.swap_steps:
+                record["swap_alpha"] = hooks.alpha
+            log.write(record)
+            if r.report_to:
+                accelerator.log({k: v for k, v in record.items() if not isinstance(v, list)}, step=step)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", zero=f"{record['mlp_zero_fraction']:.3f}")
+        if (r.eval_every and step % r.eval_every == 0) or step == r.max_steps:
+            val_loss = evaluate(model, val, accelerator.device, r.micro_batch_size)
+            log.write({"step": step, "val_loss": val_loss, "val_ppl": {k: math.exp(v) for k, v in val_loss.items()}})
+        if (r.save_every and step % r.save_every == 0) or step == r.max_steps:
+            _save_state(accelerator, state_dir, step, mixture, r.keep_states)
+    bar.close()
+    hooks.remove()
+
+    checkpoint = run_dir / "checkpoint"
+    state = accelerator.get_state_dict(model)
+    if main:
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.load_state_dict(state)
+        save_sparse(unwrapped, tokenizer, checkpoint, force=True, card=model_card(r.model, unwrapped.config))
+    accelerator.wait_for_everyone()
+    if r.report_to:
+        accelerator.end_training()
+    return checkpoint

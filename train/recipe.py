@@ -1,0 +1,169 @@
+"""Training recipes: flat YAML, validated up front. An unknown key, a wrong type or an incompatible
+combination is an error that names the key and the fix.
+
+`--set key=value` overrides a key from the command line (the value is parsed as YAML, so
+`--set max_steps=20`, `--set report_to=[wandb]`, `--set sources.web.weight=0.5` all work).
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from sparseforge.errors import SparseforgeError
+
+ACTIVATIONS = ("drelu", "relu", "silu", "shifted_relu", "fatrelu")
+
+
+@dataclass
+class Recipe:
+    """Every knob of a continued-pretraining run. Field comments are the documentation."""
+
+    model: str  # dense source (alias, .gguf, HF dir, Hub id) converted on load, or a sparse checkpoint
+    output_dir: str  # run directory: metrics.jsonl, state/step-N/ (resumable), checkpoint/ (the result)
+    sources: dict  # name -> {path: glob (relative to data_root) | hub: dataset id, weight: float, text_field: str}
+    activation: str = "drelu"  # MLP activation when `model` is dense
+    threshold: float | None = None  # t for shifted_relu / fatrelu (all layers)
+    data_root: str | None = None  # base for relative source globs; default $SPARSEFORGE_DATA or ../shared/data
+    seq_len: int = 512  # tokens per packed sequence
+    micro_batch_size: int = 4  # sequences per forward pass per process
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    max_steps: int = 100  # optimizer steps
+    lr: float = 1e-4  # peak learning rate (AdamW)
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10  # linear warmup steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: tuple = (0.9, 0.95)  # AdamW betas
+    grad_clip: float = 1.0  # max gradient norm (0 = off)
+    mixed_precision: str = "no"  # no | bf16 | fp16 (bf16 autocast is slow on CPUs without bf16 instructions)
+    seed: int = 0  # model-independent seed: data order, dropout
+    val_every: int = 50  # document i of a source is held out for validation (never trained on) when i % val_every == 0
+    val_tokens: int = 4096  # validation tokens per source
+    eval_every: int = 50  # steps between validation runs (also at step 0 and at the end)
+    save_every: int = 50  # steps between resumable state saves (0 = only at the end)
+    keep_states: int = 2  # resumable states kept on disk
+    log_every: int = 1  # steps between metric lines
+    report_to: list = field(default_factory=list)  # accelerate trackers, e.g. [wandb] (WANDB_MODE=offline works)
+    distill_kl: float = 0.0  # weight of KL(teacher || student) on logits; teacher = the dense original (0 = off)
+    distill_temperature: float = 1.0  # softmax temperature of the distillation KL
+    teacher: str | None = None  # dense teacher spec; default: `model` when it is dense
+    l1_coef: float = 0.0  # final weight of the mean |activation| penalty (ProSparse); 0 = off
+    l1_ramp_steps: int = 0  # the L1 weight rises linearly from 0 to l1_coef over these steps
+    swap_steps: int = 0  # blend SwiGLU -> target activation over the first N steps (0 = swap at once)
+    layerwise_tokens: int = 0  # tokens for layer-wise MLP distillation before end-to-end training (0 = off)
+    layerwise_epochs: int = 4  # passes over those tokens per layer
+    layerwise_lr: float = 1e-4  # Adam learning rate of layer-wise distillation
+    layerwise_batch_tokens: int = 1024  # tokens per layer-wise optimizer step
+    layerwise_inputs: str = "teacher"  # teacher: MLP inputs from the dense model; student: from already-distilled layers
+    device: str = "auto"  # auto: accelerate's choice; cpu forces CPU
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
+_REQUIRED = [n for n, f in _FIELDS.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+
+
+def _set_override(raw: dict, assignment: str) -> None:
+    if "=" not in assignment:
+        raise SparseforgeError(f"--set {assignment!r} is not key=value (example: --set max_steps=20)")
+    key, value = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    target = raw
+    for part in parts[:-1]:
+        target = target.setdefault(part, {})
+        if not isinstance(target, dict):
+            raise SparseforgeError(f"--set {key}: {part!r} is not a mapping in the recipe")
+    target[parts[-1]] = yaml.safe_load(value)
+
+
+def _check_type(key: str, value, default):
+    numeric = (int, float)
+    if default is None or value is None:
+        return value
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, numeric) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif isinstance(default, (list, tuple)):
+        ok = isinstance(value, (list, tuple))
+        value = type(default)(value) if ok else value
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise SparseforgeError(f"recipe key {key!r} must be {type(default).__name__}, got {value!r}")
+    return value
+
+
+def validate(recipe: Recipe) -> Recipe:
+    """Range and compatibility checks; each failure names the key and what to do."""
+    r = recipe
+    if r.activation not in ACTIVATIONS:
+        raise SparseforgeError(f"recipe key 'activation' is {r.activation!r}; choose one of {', '.join(ACTIVATIONS)}")
+    for key in ("seq_len", "micro_batch_size", "gradient_accumulation_steps", "max_steps", "log_every", "keep_states", "val_every"):
+        if getattr(r, key) < 1:
+            raise SparseforgeError(f"recipe key {key!r} must be >= 1, got {getattr(r, key)}")
+    for key in ("warmup_steps", "save_every", "eval_every", "val_tokens", "l1_ramp_steps", "swap_steps", "layerwise_tokens"):
+        if getattr(r, key) < 0:
+            raise SparseforgeError(f"recipe key {key!r} must be >= 0, got {getattr(r, key)}")
+    for key in ("lr", "layerwise_lr", "distill_temperature"):
+        if getattr(r, key) <= 0:
+            raise SparseforgeError(f"recipe key {key!r} must be > 0, got {getattr(r, key)}")
+    if not 0 <= r.min_lr_ratio <= 1:
+        raise SparseforgeError(f"recipe key 'min_lr_ratio' must be in [0, 1], got {r.min_lr_ratio}")
+    if r.mixed_precision not in ("no", "bf16", "fp16"):
+        raise SparseforgeError(f"recipe key 'mixed_precision' is {r.mixed_precision!r}; use no, bf16 or fp16")
+    if r.layerwise_inputs not in ("teacher", "student"):
+        raise SparseforgeError(f"recipe key 'layerwise_inputs' is {r.layerwise_inputs!r}; use teacher or student")
+    if r.warmup_steps > r.max_steps:
+        raise SparseforgeError(f"warmup_steps ({r.warmup_steps}) exceeds max_steps ({r.max_steps}); lower warmup_steps")
+    if r.activation in ("shifted_relu", "fatrelu") and r.threshold is None:
+        raise SparseforgeError(f"activation {r.activation} needs recipe key 'threshold'")
+    if r.swap_steps and r.activation == "silu":
+        raise SparseforgeError("swap_steps blends SwiGLU into a sparse activation; with activation silu set swap_steps: 0")
+    if not r.sources:
+        raise SparseforgeError("recipe key 'sources' is empty; give at least one source with a path and a weight")
+    for name, src in r.sources.items():
+        if not isinstance(src, dict):
+            raise SparseforgeError(f"source {name!r} must be a mapping with path (or hub) and weight, got {src!r}")
+        unknown = set(src) - {"path", "hub", "weight", "text_field", "split", "name"}
+        if unknown:
+            raise SparseforgeError(f"source {name!r} has unknown key(s) {sorted(unknown)}; allowed: path, hub, weight, text_field, split, name")
+        if ("path" in src) == ("hub" in src):
+            raise SparseforgeError(f"source {name!r} needs exactly one of 'path' (local glob) or 'hub' (dataset id)")
+        weight = src.get("weight", 1.0)
+        if not isinstance(weight, (int, float)) or weight <= 0:
+            raise SparseforgeError(f"source {name!r} weight must be a positive number, got {weight!r}")
+    return r
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] = (), raw: dict | None = None) -> Recipe:
+    """Read a YAML recipe (or a dict), apply `key=value` overrides, validate."""
+    if raw is None:
+        path = Path(path)
+        if not path.is_file():
+            raise SparseforgeError(f"recipe {str(path)!r} does not exist; see recipes/ for examples")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise SparseforgeError(f"recipe {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    raw = dict(raw)
+    for assignment in overrides:
+        _set_override(raw, assignment)
+    unknown = sorted(set(raw) - set(_FIELDS))
+    if unknown:
+        raise SparseforgeError(f"unknown recipe key(s) {unknown}; valid keys: {', '.join(_FIELDS)}")
+    missing = [k for k in _REQUIRED if k not in raw]
+    if missing:
+        raise SparseforgeError(f"recipe is missing required key(s) {missing}")
+    values = {}
+    for key, value in raw.items():
+        f = _FIELDS[key]
+        default = f.default if f.default is not dataclasses.MISSING else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        values[key] = _check_type(key, value, default) if key not in _REQUIRED else value
+    return validate(Recipe(**values))
