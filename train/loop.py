@@ -163,6 +163,8 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     val = validation_windows(r.sources, tokenizer, r.seq_len, r.val_every, r.val_tokens, r.data_root)
     mixture = build_mixture(r.sources, tokenizer, r.seq_len, r.val_every, r.seed, r.data_root)
 
+    if teacher is not None and latest is None:  # where recovery should head: the dense original on the same text
+        log.write({"step": 0, "reference": "dense teacher", "val_loss": evaluate(teacher, val, "cpu", r.micro_batch_size)})
     layerwise_done = run_dir / "layerwise.json"
     if r.layerwise_tokens and latest is None and not layerwise_done.exists():
         windows = []
