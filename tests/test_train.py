@@ -1,8 +1,10 @@
 """Continued pretraining on a tiny model: pinned losses, resume equivalence, run-directory contract."""
 
+import importlib.util
 import json
 
 import pytest
+import torch
 from tiny import tiny_recipe
 
 from sparseforge.errors import SparseforgeError
@@ -43,3 +45,56 @@ def test_resume_equals_uninterrupted(workspace, tmp_path):
     train(_recipe(workspace, tmp_path / "split"), resume=True, progress=False)
     split, _ = _losses(tmp_path / "split")
     assert split == pytest.approx(full, rel=1e-6)
+
+
+def test_recovery_options_run_and_log(workspace, tmp_path):
+    """KL distillation, the L1 ramp and the SwiGLU -> dReLU swap each show up in the metrics."""
+    recipe = _recipe(workspace, tmp_path / "run", max_steps=3, eval_every=0, save_every=0,
+                     distill_kl=0.5, l1_coef=0.01, l1_ramp_steps=2, swap_steps=2)
+    train(recipe, progress=False)
+    _, lines = _losses(tmp_path / "run")
+    steps = [l for l in lines if "loss" in l]
+    assert [s["swap_alpha"] for s in steps] == [0.0, 0.5, 1.0]
+    assert [s["l1_weight"] for s in steps] == [0.0, 0.005, 0.01]
+    assert all(s["distill_kl"] >= 0 and s["l1"] > 0 for s in steps)
+    assert [l for l in lines if l.get("reference") == "dense teacher"]  # the original's validation loss
+    # while blending (alpha < 1) the SwiGLU part leaves nothing exactly zero; at alpha = 1 dReLU does
+    assert [s["mlp_zero_fraction"] == 0.0 for s in steps] == [True, True, False]
+
+
+def test_swap_at_alpha_zero_is_the_original_model():
+    from tiny import tiny_model
+
+    from sparseforge.sparsify.convert import convert_model
+    from sparseforge.train.hooks import ActivationHooks
+
+    import copy
+
+    dense = tiny_model("llama")
+    ids = torch.randint(0, 300, (1, 8))
+    with torch.no_grad():
+        expected = dense(ids).logits
+    sparse = convert_model(copy.deepcopy(dense), "drelu")
+    hooks = ActivationHooks(sparse)
+    hooks.alpha = 0.0
+    with torch.no_grad():
+        torch.testing.assert_close(sparse(ids).logits, expected)
+
+
+def test_layerwise_distillation_reduces_mlp_error(workspace, tmp_path):
+    recipe = _recipe(workspace, tmp_path / "run", max_steps=1, eval_every=0, save_every=0,
+                     layerwise_tokens=256, layerwise_epochs=3, layerwise_lr=1e-2, layerwise_batch_tokens=64)
+    train(recipe, progress=False)
+    report = json.loads((tmp_path / "run" / "layerwise.json").read_text())
+    assert len(report["layers"]) == 2 and report["tokens"] == 256
+    assert all(l["rel_mse_after"] < l["rel_mse_before"] for l in report["layers"])
+    assert set(report["val_loss_before"]) == set(report["val_loss_after"]) == {"web", "code", "math"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="needs sparseforge[train] (wandb)")
+def test_wandb_offline_tracker(workspace, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train(_recipe(workspace, tmp_path / "run", max_steps=1, eval_every=0, save_every=0, report_to=["wandb"]), progress=False)
+    assert list(tmp_path.glob("wandb/offline-run-*"))

@@ -9,7 +9,8 @@ from sparseforge.families import mlp_activations
 
 
 class ActivationHooks:
-    """Forward hooks on every `GatedActivation` of a sparse model.
+    """Forward hooks on every `GatedActivation` of a sparse model. Counting and the L1 term cover training
+    forwards only (grad enabled); the blend applies to every forward.
 
     alpha: blend of the target activation (1.0) with the original SwiGLU silu(g)*u (0.0).
     collect_l1: keep mean |h| per layer (with grad) for the L1 penalty of the current forward.
@@ -29,10 +30,12 @@ class ActivationHooks:
             if self.alpha < 1.0:
                 gate, up = args[0], args[1]
                 h = self.alpha * h + (1.0 - self.alpha) * F.silu(gate) * up
+            if not torch.is_grad_enabled():
+                return h  # validation / teacher-free eval: blended, but neither counted nor penalized
             with torch.no_grad():
                 self.zeros[layer] += (h == 0).sum().item()
                 self.total[layer] += h.numel()
-            if self.collect_l1 and torch.is_grad_enabled():
+            if self.collect_l1:
                 self._l1.append(h.abs().float().mean())
             return h
 
