@@ -13,7 +13,7 @@ from sparseforge import __version__
 from sparseforge.errors import SparseforgeError
 
 # verb -> module whose `register(subparsers)` adds it
-STAGE_CLIS = ("sparseforge.sparsify.cli", "sparseforge.train.cli", "sparseforge.predictors.cli", "sparseforge.eval.cli")
+STAGE_CLIS = ("sparseforge.sparsify.cli", "sparseforge.train.cli", "sparseforge.predictors.cli", "sparseforge.eval.cli", "sparseforge.runtime.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
