@@ -74,7 +74,7 @@ def register(subparsers) -> None:
         help="write a checkpoint in another engine's layout (PowerInfer)",
         description="Export a sparse checkpoint with its profile and predictors for another engine. powerinfer: an HF "
         "bamboo-architecture model directory, predictor/model_{i}.pt + config.json, activation/activation_{i}.pt, which "
-        "PowerInfer's convert.py reads (python convert.py --vocabtype bpe --outfile OUT/x.powerinfer.gguf OUT OUT/predictor).",
+        "PowerInfer's convert.py reads (python convert.py --vocabtype bpe --outtype f16 --outfile OUT/x.powerinfer.gguf OUT OUT/predictor).",
         formatter_class=fmt,
     )
     x.add_argument("ckpt", help="a sparse dReLU checkpoint with profile and predictors")
@@ -209,7 +209,7 @@ def export_command(args) -> int:
     ranks = summary["ranks"]
     print(
         f"wrote {summary['out']}: PowerInfer layout, {summary['layers']} layers, predictor ranks {min(ranks)}-{max(ranks)}, "
-        f"sparse_threshold {summary['sparse_threshold']:.4g}\nconvert with: python convert.py --vocabtype bpe "
+        f"sparse_threshold {summary['sparse_threshold']:.4g}\nconvert with (PowerInfer's convert.py needs sentencepiece and numpy<2; its sparse kernels read F16): python convert.py --vocabtype bpe --outtype f16 "
         f"--outfile {summary['out']}/model.powerinfer.gguf {summary['out']} {summary['out']}/predictor"
     )
     return 0

@@ -12,7 +12,8 @@
 PowerInfer computes a neuron when its predictor score exceeds one global `sparse_threshold`, while
 sparseforge calibrates a threshold per layer. Scores are positively homogeneous in fc2, so layer l's
 fc2 is multiplied by T / t_l (> 0 when t_l and T share a sign), which moves its threshold to T exactly.
-Convert with:  python convert.py --vocabtype bpe --outfile OUT/model.powerinfer.gguf OUT OUT/predictor
+Convert with (needs sentencepiece and numpy<2; keep F16, PowerInfer's sparse kernels read F16 weights):
+    python convert.py --vocabtype bpe --outtype f16 --outfile OUT/model.powerinfer.gguf OUT OUT/predictor
 """
 
 import json
