@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -24,3 +25,12 @@ def workspace(tmp_path_factory):
     return root
 
 
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one thread avoids oversubscription on a shared 2-core machine (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -3,15 +3,12 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import tiny_model
+from tiny import random_windows, tiny_model
 
 from sparseforge.sparsify.convert import convert_model
 from sparseforge.sparsify.measure import batches, format_table, measure_sparsity, take_tokens
 
 
-def _windows(n, seq_len, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 300, (seq_len,), generator=g).tolist() for _ in range(n)]
 
 
 def test_dense_counts_match_manual_computation():
@@ -21,7 +18,7 @@ def test_dense_counts_match_manual_computation():
         layer.mlp.register_forward_pre_hook(lambda m, a, i=i: inputs.setdefault(i, []).append(a[0].detach()))
         for i, layer in enumerate(sparse.model.layers)
     ]
-    windows = _windows(3, 16)
+    windows = random_windows(3, 16)
     report = measure_sparsity(sparse, windows, tokens=48, batch_size=2, progress=False)
     for h in hooks:
         h.remove()
@@ -35,13 +32,13 @@ def test_dense_counts_match_manual_computation():
 
 
 def test_silu_has_no_exact_zeros():
-    report = measure_sparsity(convert_model(tiny_model("qwen3"), "silu"), _windows(2, 8), tokens=16, progress=False)
+    report = measure_sparsity(convert_model(tiny_model("qwen3"), "silu"), random_windows(2, 8), tokens=16, progress=False)
     assert report["mean_zero_fraction"] == 0.0
 
 
 def test_moe_reports_per_expert():
     sparse = convert_model(tiny_model("mixtral"), "drelu")
-    report = measure_sparsity(sparse, _windows(4, 16), tokens=64, progress=False)
+    report = measure_sparsity(sparse, random_windows(4, 16), tokens=64, progress=False)
     row = report["layers"][0]
     assert len(row["experts"]) == 4
     seen = [e for e in row["experts"] if e is not None]
@@ -50,16 +47,16 @@ def test_moe_reports_per_expert():
 
 
 def test_token_budget_is_exact_and_batches_group_equal_lengths():
-    windows = _windows(3, 10)
+    windows = random_windows(3, 10)
     taken = list(take_tokens(windows, 25))
     assert [len(w) for w in taken] == [10, 10, 5]
     assert [[len(w) for w in b] for b in batches(taken, 4)] == [[10, 10], [5]]
-    assert [[len(w) for w in b] for b in batches(_windows(5, 4), 2)] == [[4, 4], [4, 4], [4]]
+    assert [[len(w) for w in b] for b in batches(random_windows(5, 4), 2)] == [[4, 4], [4, 4], [4]]
 
 
 def test_loss_is_the_models_own_loss():
     sparse = convert_model(tiny_model("llama"), "drelu")
-    windows = _windows(2, 12)
+    windows = random_windows(2, 12)
     report = measure_sparsity(sparse, windows, tokens=24, progress=False)
     ids = torch.tensor(windows)
     with torch.no_grad():
@@ -71,7 +68,7 @@ def test_take_tokens_pulls_nothing_past_the_budget():
     pulled = []
 
     def stream():
-        for w in _windows(5, 10):
+        for w in random_windows(5, 10):
             pulled.append(w)
             yield w
 

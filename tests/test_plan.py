@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from tiny import tiny_model, tiny_tokenizer
+from tiny import random_windows, tiny_model, tiny_tokenizer
 
 from sparseforge.checkpoint import save_sparse
 from sparseforge.cli import main
@@ -30,24 +30,16 @@ from sparseforge.sparsify.convert import convert_model
 H, I, L = 64, 128, 2  # tiny_model: hidden 64, intermediate 128, 2 layers, 4 heads, 2 kv heads (head_dim 16)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _windows(n, seq_len, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 300, (seq_len,), generator=g).tolist() for _ in range(n)]
 
 
 def _checkpoint(root, family):
     ckpt = root / f"sparse-{family}"
     model = convert_model(tiny_model(family), "drelu")
     save_sparse(model, tiny_tokenizer(), ckpt)
-    tensors, report = profile_model(model, _windows(4, 32), tokens=128, batch_size=2, coact_tokens=16, block_size=8, progress=False)
+    tensors, report = profile_model(model, random_windows(4, 32), tokens=128, batch_size=2, coact_tokens=16, block_size=8, progress=False)
     save_profile(ckpt, tensors, report)
     return ckpt, tensors["counts"]
 

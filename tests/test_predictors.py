@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import tiny_model
+from tiny import random_windows, tiny_model
 
 from sparseforge.errors import SparseforgeError
 from sparseforge.predictors.calibrate import confusion, rates, threshold_for_recall
@@ -16,22 +16,13 @@ from sparseforge.predictors.store import load_predictors, save_predictors
 from sparseforge.sparsify.convert import convert_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread avoids oversubscription on a shared 2-core machine (restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _windows(n, seq_len, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 300, (seq_len,), generator=g).tolist() for _ in range(n)]
 
 
 def _fit_tiny(model, train_tokens=1536, heldout_tokens=512, budget=0.6):
-    sets = collect_pairs(model, iter(_windows(80, 32)), train_tokens, heldout_tokens, cap=train_tokens, heldout_cap=heldout_tokens, progress=False)
+    sets = collect_pairs(model, iter(random_windows(80, 32)), train_tokens, heldout_tokens, cap=train_tokens, heldout_cap=heldout_tokens, progress=False)
     cfg = FitConfig(budget=budget, max_epochs=6, pilot_rank=16, pilot_epochs=1, min_rank=8, batch_size=128)
     return sets, fit_all(sets, 3 * 64 * 128, cfg, progress=False)
 
@@ -43,7 +34,7 @@ def test_profile_counts_equal_manual_count():
         layer.mlp.register_forward_pre_hook(lambda m, a, i=i: inputs.setdefault(i, []).append(a[0].detach()))
         for i, layer in enumerate(sparse.model.layers)
     ]
-    tensors, report = profile_model(sparse, _windows(4, 16), tokens=64, batch_size=2, coact_tokens=16, block_size=8, progress=False)
+    tensors, report = profile_model(sparse, random_windows(4, 16), tokens=64, batch_size=2, coact_tokens=16, block_size=8, progress=False)
     for h in hooks:
         h.remove()
     assert report["tokens"] == 64 and tensors["counts"].shape == (2, 1, 128)
@@ -57,7 +48,7 @@ def test_profile_counts_equal_manual_count():
 
 def test_moe_profile_counts_routed_tokens_per_expert(tmp_path):
     sparse = convert_model(tiny_model("mixtral"), "drelu")
-    tensors, report = profile_model(sparse, _windows(4, 16), tokens=64, coact_tokens=16, block_size=8, progress=False)
+    tensors, report = profile_model(sparse, random_windows(4, 16), tokens=64, coact_tokens=16, block_size=8, progress=False)
     assert tensors["counts"].shape == (2, 4, 128)
     assert tensors["tokens"].sum(1).tolist() == [64 * 2, 64 * 2]  # top-2 routing: each token reaches 2 experts
     assert len(report["layers"][0]["experts"]) == 4
@@ -123,7 +114,7 @@ def test_training_and_calibration_on_tiny_llama(tmp_path):
     assert torch.equal(loaded.predict(0, 0, x), expected)
 
     # fresh text, never seen in training: recall stays near the target, oracle perplexity is exactly dense
-    fresh = _windows(8, 32, seed=7)
+    fresh = random_windows(8, 32, seed=7)
     result = evaluate_masks(sparse, fresh, loaded, batch_size=4, progress=False)
     assert result["oracle"]["loss"] == result["dense"]["loss"]
     assert result["overall"]["recall"] > 0.97
@@ -132,7 +123,7 @@ def test_training_and_calibration_on_tiny_llama(tmp_path):
 
 def test_oracle_mask_is_exact_and_predicted_mask_zeroes(tmp_path):
     sparse = convert_model(tiny_model("llama", layers=2), "drelu")
-    ids = torch.tensor(_windows(2, 16))
+    ids = torch.tensor(random_windows(2, 16))
     with torch.no_grad():
         dense = sparse(ids).logits
         with masked_mlps(sparse, "oracle"):
@@ -152,7 +143,7 @@ def test_moe_predictors_and_masks():
     assert len(fitted) == 2 * 4
     trained = [u for u in fitted if u.predictor is not None]
     assert trained and all(u.stats["heldout"]["recall"] >= 0.99 for u in trained)
-    ids = torch.tensor(_windows(2, 16, seed=3))
+    ids = torch.tensor(random_windows(2, 16, seed=3))
     with torch.no_grad():
         dense = sparse(ids).logits
         with masked_mlps(sparse, "oracle"):

@@ -32,6 +32,12 @@ FAMILY_CLASSES = {
 }
 
 
+def random_windows(n: int, seq_len: int, seed: int = 0, vocab_size: int = 300) -> list[list[int]]:
+    """n windows of seq_len random token ids (a seeded stand-in for packed text)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (seq_len,), generator=g).tolist() for _ in range(n)]
+
+
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (~300 tokens) trained on a few lines; EOS is <|endoftext|>."""
     tok = Tokenizer(models.BPE())
