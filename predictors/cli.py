@@ -3,19 +3,12 @@
 import argparse
 import time
 
-from sparseforge.data import DATA_ENV, default_pretrain_glob
+from sparseforge.cli_options import add_text_stream_options, check_positive, text_stream
 
 
 def _data_options(p, tokens: int, what: str) -> None:
     p.add_argument("ckpt", help="a sparse checkpoint directory (sparseforge convert); results are written into it")
-    p.add_argument("--data", nargs="+", default=None, help=f"text files or globs (.jsonl[.gz], .txt, .parquet); default: ${DATA_ENV}/pretrain/*/*.jsonl.gz, i.e. {default_pretrain_glob()}")
-    p.add_argument("--text-field", default="text", help="JSON/parquet field holding the text")
-    p.add_argument("--tokens", type=int, default=tokens, help=what)
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per window (documents are packed with EOS between them)")
-    p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
-    p.add_argument("--device", default="cpu", help="torch device")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice); 1 is fastest on a busy machine")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_text_stream_options(p, tokens, what)
 
 
 def register(subparsers) -> None:
@@ -86,41 +79,26 @@ def register(subparsers) -> None:
     x.set_defaults(func=export_command)
 
 
-def _positive(**values) -> None:
-    from sparseforge.errors import SparseforgeError
-
-    for name, value in values.items():
-        if value is not None and value <= 0:
-            raise SparseforgeError(f"--{name.replace('_', '-')} must be positive, got {value}")
-
-
 def _setup(args):
     """Threads, files, the sparse model and its token-window stream."""
-    import torch
-
-    from sparseforge.data import expand, interleave_documents, pack_tokens
     from sparseforge.errors import SparseforgeError
     from sparseforge.sources import load_model
 
-    _positive(tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size, threads=args.threads)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    patterns = args.data or [default_pretrain_glob()]
-    files = expand(patterns)
+    check_positive(tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size, threads=args.threads)
     model, tokenizer, source = load_model(args.ckpt, dtype="float32", device=args.device)
     if source.kind != "sparse":
         raise SparseforgeError(f"{args.ckpt!r} is not a sparse checkpoint; convert it first: sparseforge convert {args.ckpt} --out DIR")
     activation = model.config.sparsity["activation"]
     if activation == "silu":
         raise SparseforgeError(f"{args.ckpt} uses silu, which has no exact zeros to predict; convert with --activation drelu")
-    windows = pack_tokens(interleave_documents(files, args.text_field), tokenizer, args.seq_len)
+    windows, patterns = text_stream(args, tokenizer)
     return model, windows, patterns, source
 
 
 def profile_command(args) -> int:
     from sparseforge.predictors.profile import format_profile, profile_model, save_profile
 
-    _positive(coact_tokens=args.coact_tokens, block_size=args.block_size)
+    check_positive(coact_tokens=args.coact_tokens, block_size=args.block_size)
     start = time.perf_counter()
     model, windows, patterns, source = _setup(args)
     tensors, report = profile_model(model, windows, args.tokens, args.batch_size, args.coact_tokens, args.block_size, not args.no_progress)
@@ -141,7 +119,7 @@ def train_command(args) -> int:
     from sparseforge.predictors.fit import FitConfig, fit_all
     from sparseforge.predictors.store import save_predictors
 
-    _positive(heldout_tokens=args.heldout_tokens, cap=args.cap, budget=args.budget, lr=args.lr, train_batch_size=args.train_batch_size, max_epochs=args.max_epochs, patience=args.patience, pilot_rank=args.pilot_rank, pilot_epochs=args.pilot_epochs, min_rank=args.min_rank)
+    check_positive(heldout_tokens=args.heldout_tokens, cap=args.cap, budget=args.budget, lr=args.lr, train_batch_size=args.train_batch_size, max_epochs=args.max_epochs, patience=args.patience, pilot_rank=args.pilot_rank, pilot_epochs=args.pilot_epochs, min_rank=args.min_rank)
     if not 0 < args.target_recall < 1:
         raise SparseforgeError(f"--target-recall must be in (0, 1), got {args.target_recall}")
     start = time.perf_counter()

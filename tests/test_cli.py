@@ -51,10 +51,11 @@ def test_measure_dense_model_in_memory_writes_nothing(dense_dir, text_file, caps
     "argv,message",
     [
         (["convert", "no-such-model", "--out", "X"], "model 'no-such-model' not found"),
+        (["convert", "{dense}", "--activation", "gelu", "--out", "{tmp}/o"], "unknown --activation 'gelu'; choose one of"),
         (["convert", "{dense}", "--activation", "fatrelu", "--out", "{tmp}/o"], "needs --threshold T"),
         (["convert", "{dense}", "--out", "{dense}"], "already exists; choose another --out or pass --force"),
         (["measure", "{dense}", "--data", "{tmp}/nothing*.jsonl"], "no files match"),
-        (["measure", "{dense}", "--tokens", "0"], "--tokens must be a positive integer, got 0"),
+        (["measure", "{dense}", "--tokens", "0"], "--tokens must be positive, got 0"),
     ],
 )
 def test_bad_input_is_one_line(argv, message, dense_dir, tmp_path, capsys):

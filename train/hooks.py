@@ -20,8 +20,9 @@ class ActivationHooks:
         self.alpha = 1.0
         self.collect_l1 = collect_l1
         acts = mlp_activations(model)
-        self.zeros = torch.zeros(len(acts), dtype=torch.float64)
-        self.total = torch.zeros(len(acts), dtype=torch.float64)
+        # per layer: zeros as a tensor on the activations' device (no host sync per layer), totals as ints
+        self.zeros: list[torch.Tensor | int] = [0] * len(acts)
+        self.total = [0] * len(acts)
         self._l1: list[torch.Tensor] = []
         self.handles = [a.register_forward_hook(self._hook(i)) for i, a in enumerate(acts)]
 
@@ -33,7 +34,7 @@ class ActivationHooks:
             if not torch.is_grad_enabled():
                 return h  # validation / teacher-free eval: blended, but neither counted nor penalized
             with torch.no_grad():
-                self.zeros[layer] += (h == 0).sum().item()
+                self.zeros[layer] = self.zeros[layer] + (h == 0).sum()
                 self.total[layer] += h.numel()
             if self.collect_l1:
                 self._l1.append(h.abs().float().mean())
@@ -51,9 +52,9 @@ class ActivationHooks:
 
     def pop_sparsity(self) -> list[float]:
         """Per-layer exact-zero fraction since the last call."""
-        fractions = (self.zeros / self.total.clamp(min=1)).tolist()
-        self.zeros.zero_()
-        self.total.zero_()
+        fractions = [float(z) / max(t, 1) for z, t in zip(self.zeros, self.total)]
+        self.zeros = [0] * len(self.zeros)
+        self.total = [0] * len(self.total)
         return fractions
 
     def remove(self) -> None:

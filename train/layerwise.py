@@ -80,7 +80,7 @@ def distill_layerwise(student, teacher, windows: list[list[int]], epochs: int, l
     """
     if hasattr(student.model.layers[0].mlp, "experts"):
         raise SparseforgeError("layer-wise distillation supports dense-MLP models; for MoE set layerwise_tokens: 0")
-    ids = torch.tensor(windows)
+    ids = torch.tensor(windows, device=next(student.parameters()).device)  # [N, S]
     num_layers = len(student.model.layers)
     teacher_inputs = _capture_mlp_inputs(teacher, list(range(num_layers)), ids, forward_batch) if inputs == "teacher" else None
     stats = []

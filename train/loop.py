@@ -163,19 +163,23 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     val = validation_windows(r.sources, tokenizer, r.seq_len, r.val_every, r.val_tokens, r.data_root)
     mixture = build_mixture(r.sources, tokenizer, r.seq_len, r.val_every, r.seed, r.data_root)
 
+    device = accelerator.device  # stage 1 and the reference run before accelerate.prepare, on this process's device
+    model.to(device)
+    if teacher is not None:
+        teacher.to(device)
     if teacher is not None and latest is None:  # where recovery should head: the dense original on the same text
-        log.write({"step": 0, "reference": "dense teacher", "val_loss": evaluate(teacher, val, "cpu", r.micro_batch_size)})
+        log.write({"step": 0, "reference": "dense teacher", "val_loss": evaluate(teacher, val, device, r.micro_batch_size)})
     layerwise_done = run_dir / "layerwise.json"
     if r.layerwise_tokens and latest is None and not layerwise_done.exists():
         windows = []
         while len(windows) * r.seq_len < r.layerwise_tokens:
             windows.append(mixture.next_window()[1])
         mixture = build_mixture(r.sources, tokenizer, r.seq_len, r.val_every, r.seed, r.data_root)  # e2e starts afresh
-        before = evaluate(model, val, "cpu", r.micro_batch_size)
+        before = evaluate(model, val, device, r.micro_batch_size)
         start = time.perf_counter()
         stats = distill_layerwise(model, teacher, windows, r.layerwise_epochs, r.layerwise_lr, r.layerwise_batch_tokens,
                                   r.layerwise_inputs, r.micro_batch_size, r.seed, progress and main)
-        after = evaluate(model, val, "cpu", r.micro_batch_size)
+        after = evaluate(model, val, device, r.micro_batch_size)
         record = {"stage": "layerwise", "step": 0, "tokens": len(windows) * r.seq_len, "seconds": time.perf_counter() - start,
                   "val_loss_before": before, "val_loss_after": after, "layers": stats}
         log.write({k: v for k, v in record.items() if k != "layers"})

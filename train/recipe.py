@@ -12,8 +12,7 @@ from pathlib import Path
 import yaml
 
 from sparseforge.errors import SparseforgeError
-
-ACTIVATIONS = ("drelu", "relu", "silu", "shifted_relu", "fatrelu")
+from sparseforge.sparsify.hf_code.modeling_sparseforge import ACTIVATIONS
 
 
 @dataclass
