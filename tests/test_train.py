@@ -98,3 +98,12 @@ def test_wandb_offline_tracker(workspace, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     train(_recipe(workspace, tmp_path / "run", max_steps=1, eval_every=0, save_every=0, report_to=["wandb"]), progress=False)
     assert list(tmp_path.glob("wandb/offline-run-*"))
+
+
+def test_fresh_run_drops_metrics_of_an_attempt_that_saved_no_state(workspace, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 3, "loss": 99.0}) + "\n")
+    train(_recipe(workspace, run, max_steps=1, eval_every=0, save_every=0), progress=False)
+    losses, _ = _losses(run)
+    assert len(losses) == 1 and losses[0] != 99.0

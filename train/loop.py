@@ -48,12 +48,14 @@ def _models(r: Recipe):
 
 
 class MetricsLog:
-    """Append-only JSON Lines (main process only); on resume, lines after the resumed step are dropped."""
+    """Append-only JSON Lines (main process only). A fresh run starts it empty (dropping what an attempt
+    that never saved a state wrote); a resumed run keeps the lines up to the resumed step."""
 
     def __init__(self, path: Path, enabled: bool, resume_step: int | None):
         self.path, self.enabled = path, enabled
-        if enabled and resume_step is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= resume_step]
+        if enabled and path.exists():
+            lines = path.read_text().splitlines() if resume_step is not None else []
+            kept = [line for line in lines if json.loads(line).get("step", 0) <= resume_step]
             atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
@@ -166,11 +168,11 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     device = accelerator.device  # stage 1 and the reference run before accelerate.prepare, on this process's device
     model.to(device)
     if teacher is not None:
-        teacher.to(device)
+        teacher.to(device).eval().requires_grad_(False)
     if teacher is not None and latest is None:  # where recovery should head: the dense original on the same text
         log.write({"step": 0, "reference": "dense teacher", "val_loss": evaluate(teacher, val, device, r.micro_batch_size)})
-    layerwise_done = run_dir / "layerwise.json"
-    if r.layerwise_tokens and latest is None and not layerwise_done.exists():
+    val_loss_now = None  # the student's validation loss, when stage 1 has just measured it
+    if r.layerwise_tokens and latest is None:  # a resumed state already holds the stage-1 weights
         windows = []
         while len(windows) * r.seq_len < r.layerwise_tokens:
             windows.append(mixture.next_window()[1])
@@ -179,12 +181,12 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
         start = time.perf_counter()
         stats = distill_layerwise(model, teacher, windows, r.layerwise_epochs, r.layerwise_lr, r.layerwise_batch_tokens,
                                   r.layerwise_inputs, r.micro_batch_size, r.seed, progress and main)
-        after = evaluate(model, val, device, r.micro_batch_size)
+        after = val_loss_now = evaluate(model, val, device, r.micro_batch_size)
         record = {"stage": "layerwise", "step": 0, "tokens": len(windows) * r.seq_len, "seconds": time.perf_counter() - start,
                   "val_loss_before": before, "val_loss_after": after, "layers": stats}
         log.write({k: v for k, v in record.items() if k != "layers"})
         if main:
-            atomic_write_text(layerwise_done, json.dumps(record, indent=1) + "\n")
+            atomic_write_text(run_dir / "layerwise.json", json.dumps(record, indent=1) + "\n")
     if r.distill_kl == 0:
         teacher = None
 
@@ -192,8 +194,6 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     optimizer = torch.optim.AdamW(model.parameters(), lr=r.lr, betas=tuple(r.betas), weight_decay=r.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, r.warmup_steps, r.max_steps, r.min_lr_ratio))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    if teacher is not None:
-        teacher = teacher.to(accelerator.device).eval().requires_grad_(False)
 
     log.write({"step": resume_step or 0, "event": "resume" if latest else "start", "distributed_type": accelerator.distributed_type.value,
                "num_processes": accelerator.num_processes, "device": str(accelerator.device), "mixed_precision": accelerator.mixed_precision})
@@ -205,7 +205,7 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
         step = data["step"]
         accelerator.print(f"resumed from {latest} at step {step}")
     else:
-        log.write({"step": 0, "val_loss": evaluate(model, val, accelerator.device, r.micro_batch_size)})
+        log.write({"step": 0, "val_loss": val_loss_now or evaluate(model, val, accelerator.device, r.micro_batch_size)})
 
     world, rank = accelerator.num_processes, accelerator.process_index
     tokens_per_step = r.micro_batch_size * world * r.gradient_accumulation_steps * r.seq_len
