@@ -1,0 +1,90 @@
+"""The contract between the decode engine and where MLP weights live: an MLP *unit* holds its neurons as
+*bundles* in *slots*.
+
+A unit is one MLP: layer `i` of a dense model, or expert `e` of layer `i` of an MoE model. Neuron `j`'s
+bundle is what computing it needs: gate row `gate_proj.weight[j, :]`, up row `up_proj.weight[j, :]` and down
+column `down_proj.weight[:, j]`, stored together as `bundles[s] = [gate_j; up_j; down_j]` ([3, H]) in some
+slot `s`. Kernels read `bundles[slots]`; they never see where a slot's contents came from.
+
+The engine asks a unit for the neurons it is about to compute:
+
+    req = unit.request(neurons)            # LongTensor [k] of neuron ids, k <= unit.capacity
+    compute(req.ready_neurons, req.ready_slots)   # resident now: compute while the rest loads
+    neurons, slots = req.wait()            # the rest, resident once this returns (I/O overlapped above)
+    compute(neurons, slots)
+    req.release()                          # the request's slots may be evicted from here on
+
+`ResidentUnit` (everything in memory, slot = neuron) is the fully resident case. A tiered unit (hot
+neurons pinned, cold ones behind a cache over disk) implements the same interface. A request never asks
+for more than `capacity` neurons; callers with more (dense prefill under a small budget) split them into
+chunks and release each chunk before requesting the next.
+"""
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+_EMPTY = torch.empty(0, dtype=torch.long)
+
+
+@dataclass
+class Request:
+    """Answer to `unit.request(neurons)`: the part resident now, and how to get the rest."""
+
+    ready_neurons: torch.Tensor  # LongTensor [a]
+    ready_slots: torch.Tensor  # LongTensor [a], slots of ready_neurons in unit.bundles
+    _wait: object = None  # callable () -> (neurons, slots), or None when everything was ready
+    _release: object = None  # callable () -> None
+    _done: bool = field(default=False, repr=False)
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(neurons, slots) of the requested neurons that were not ready; empty when all were."""
+        if self._wait is None:
+            return _EMPTY, _EMPTY
+        return self._wait()
+
+    def release(self) -> None:
+        if not self._done and self._release is not None:
+            self._release()
+        self._done = True
+
+
+class MLPUnit(Protocol):
+    layer: int
+    expert: int
+    hidden: int
+    intermediate: int
+    capacity: int  # most neurons one request may hold at once
+    bundles: torch.Tensor  # [S, 3, H]
+    scales: torch.Tensor | None  # [S, 3] float32 per-row scales when bundles are int8, else None
+
+    def request(self, neurons: torch.Tensor) -> Request: ...
+
+
+def make_bundles(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """gate, up: [I, H]; down: [H, I] -> bundles [I, 3, H] (contiguous)."""
+    return torch.stack([gate, up, down.t()], dim=1).contiguous()
+
+
+def quantize_bundles(bundles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: bundles [S, 3, H] float -> (int8 [S, 3, H], scales float32 [S, 3]).
+    Dequantised row = int8 row * scale; a zero row gets scale 1."""
+    b = bundles.float()
+    amax = b.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(b / scales.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scales.contiguous()
+
+
+class ResidentUnit:
+    """All of a unit's neurons in memory; slot j holds neuron j."""
+
+    def __init__(self, layer: int, expert: int, bundles: torch.Tensor, scales: torch.Tensor | None = None):
+        self.layer, self.expert = layer, expert
+        self.bundles, self.scales = bundles, scales
+        self.intermediate, _, self.hidden = bundles.shape
+        self.capacity = self.intermediate
+
+    def request(self, neurons: torch.Tensor) -> Request:
+        return Request(ready_neurons=neurons, ready_slots=neurons)
