@@ -13,7 +13,8 @@ from sparseforge import __version__
 from sparseforge.errors import SparseforgeError
 
 # verb -> module whose `register(subparsers)` adds it
-STAGE_CLIS = ("sparseforge.sparsify.cli", "sparseforge.train.cli", "sparseforge.predictors.cli", "sparseforge.eval.cli", "sparseforge.runtime.cli")
+STAGE_CLIS = ("sparseforge.sparsify.cli", "sparseforge.train.cli", "sparseforge.predictors.cli", "sparseforge.eval.cli", "sparseforge.runtime.cli",
+              "sparseforge.pipeline")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +47,20 @@ def run_command(func, args) -> int:
     except KeyboardInterrupt:
         print(f"sparseforge {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def run_stage(parser: argparse.ArgumentParser, argv: list[str], stage: str) -> None:
+    """Run one verb in-process for the pipeline: a failure raises SparseforgeError naming the stage and command."""
+    import shlex
+
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit:
+        raise SparseforgeError(f"stage {stage}: `sparseforge {shlex.join(argv)}` has bad arguments (usage above); fix the recipe's stages.{stage}") from None
+    _quiet_libraries()
+    status = args.func(args) or 0
+    if status:
+        raise SparseforgeError(f"stage {stage}: `sparseforge {shlex.join(argv)}` exited with status {status}")
 
 
 def main(argv: list[str] | None = None) -> int:

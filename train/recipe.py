@@ -56,6 +56,7 @@ class Recipe:
     layerwise_batch_tokens: int = 1024  # tokens per layer-wise optimizer step
     layerwise_inputs: str = "teacher"  # teacher: MLP inputs from the dense model; student: from already-distilled layers
     device: str = "auto"  # auto: accelerate's choice; cpu forces CPU
+    stages: dict = field(default_factory=dict)  # `sparseforge run`: extra arguments of the later stages (sparseforge/pipeline.py)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,0 +1,94 @@
+"""`sparseforge run`: the whole pipeline on a tiny random model, every artifact of the checkpoint contract,
+skipping of up-to-date stages, resuming after a failed stage, and recipe errors."""
+
+import json
+
+import pytest
+import yaml
+from tiny import tiny_recipe
+
+from sparseforge.cli import main
+from sparseforge.errors import SparseforgeError
+from sparseforge.pipeline import STAGE_NAMES, run_pipeline, stage_arguments
+
+
+def _recipe(workspace, tmp_path, **stages):
+    data = f"--data {workspace}/data/*/*.jsonl.gz --seq-len 32 --no-progress"
+    raw = tiny_recipe(workspace, tmp_path / "run", max_steps=2, layerwise_tokens=64, layerwise_epochs=1, distill_kl=0.5)
+    raw["stages"] = {
+        "measure": f"--tokens 256 {data}",
+        "profile": f"--tokens 256 --coact-tokens 64 --block-size 16 {data}",
+        "predictors": f"--tokens 512 --heldout-tokens 256 --budget 0.5 --max-epochs 2 --pilot-epochs 1 --min-rank 8 {data}",
+        "predictors_eval": f"--tokens 128 {data}",
+        "plan": ["--fast-memory 100%", "--fast-memory 25%"],
+        "eval": False,
+        "scorecard": False,
+        "export": False,
+        **stages,
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _artifact(path):
+    data = json.loads(path.read_text())
+    assert data["format_version"] >= 1, path
+    return data
+
+
+def test_pipeline_end_to_end_skip_and_resume(workspace, tmp_path, one_thread, capsys):
+    recipe = _recipe(workspace, tmp_path, plan=["--fast-memory 100%", "--fast-memory 25%", "--fast-memory nonsense"])
+    with pytest.raises(SparseforgeError, match="nonsense"):  # the plan stage fails: everything before it is kept
+        run_pipeline(str(recipe), progress=False)
+    record = json.loads((tmp_path / "run" / "pipeline.json").read_text())
+    assert list(record["stages"]) == STAGE_NAMES[: STAGE_NAMES.index("plan")]
+
+    recipe = _recipe(workspace, tmp_path)  # fixed recipe: only plan (and the left-out stages) remain
+    rows, ckpt = run_pipeline(str(recipe), progress=False)
+    status = {r["stage"]: r["status"] for r in rows}
+    assert status == {**{n: "up to date" for n in STAGE_NAMES[: STAGE_NAMES.index("plan")]}, "plan": "ran",
+                      "eval": "left out", "scorecard": "left out", "export": "left out"}
+
+    # the checkpoint contract: a loadable sparse checkpoint plus every stage's artifact
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["sparsity"]["activation"] == "drelu" and "auto_map" in cfg
+    for name in ("model.safetensors", "tokenizer.json", "configuration_sparseforge.py", "modeling_sparseforge.py",
+                 "profile.safetensors", "predictors.safetensors", "README.md"):
+        assert (ckpt / name).is_file(), name
+    sparsity = _artifact(ckpt / "sparsity.json")
+    assert 0 < sparsity["mean_zero_fraction"] < 1 and sparsity["tokens"] == 256
+    assert _artifact(ckpt / "profile.json")["tokens"] == 256
+    predictors = _artifact(ckpt / "predictors.json")
+    assert predictors["eval"]["tokens"] > 0 and len(predictors["units"]) == 2
+    assert _artifact(ckpt / "plan-100pct.json")["expected_hit_rate"] == 1.0
+    assert 0 < _artifact(ckpt / "plan-25pct.json")["expected_hit_rate"] < 1
+    assert (tmp_path / "run" / "converted" / "model.safetensors").is_file()
+
+    # nothing changed: every stage is skipped; a changed checkpoint re-runs what reads it
+    rows, _ = run_pipeline(str(recipe), progress=False)
+    assert {r["status"] for r in rows} == {"up to date", "left out"}
+    (ckpt / "profile.safetensors").touch()
+    rows, _ = run_pipeline(str(recipe), progress=False)
+    assert [r["stage"] for r in rows if r["status"] == "ran"] == ["plan"]
+
+    # --redo forces a stage and everything after it; the CLI prints one line per stage and the summary
+    assert main(["run", str(recipe), "--redo", "predictors_eval", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "[6/10] predictors_eval: sparseforge predictors eval" in out and "[3/10] measure: up to date, skipped" in out
+    assert "| plan | ran |" in out and "| profile | up to date |" in out
+
+
+def test_recipe_stage_errors(workspace, tmp_path):
+    with pytest.raises(SparseforgeError, match=r"unknown stage\(s\) \['profiel'\]"):
+        stage_arguments({"profiel": "--tokens 5"})
+    with pytest.raises(SparseforgeError, match="stages.train runs one command"):
+        stage_arguments({"train": ["a", "b"]})
+    with pytest.raises(SparseforgeError, match="must be a string of arguments"):
+        stage_arguments({"plan": 5})
+    recipe = _recipe(workspace, tmp_path)
+    with pytest.raises(SparseforgeError, match="--only 'profile,nope': unknown stage"):
+        run_pipeline(str(recipe), only="profile,nope")
+    with pytest.raises(SparseforgeError, match="stage profile needs .*model.safetensors"):
+        run_pipeline(str(recipe), only="profile", progress=False)
+    assert main(["run", str(recipe), "--set", "stages.measure=--tokens 0", "--only", "convert,train,measure", "--no-progress"]) == 2
