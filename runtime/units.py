@@ -17,7 +17,7 @@ The engine asks a unit for the neurons it is about to compute:
 `ResidentUnit` (everything in memory, slot = neuron) is the fully resident case. A tiered unit (hot
 neurons pinned, cold ones behind a cache over disk) implements the same interface. A request never asks
 for more than `capacity` neurons; callers with more (dense prefill under a small budget) split them into
-chunks and release each chunk before requesting the next.
+chunks (in `unit.order(neurons)`) and release each chunk before requesting the next.
 """
 
 from dataclasses import dataclass, field
@@ -61,6 +61,11 @@ class MLPUnit(Protocol):
 
     def request(self, neurons: torch.Tensor) -> Request: ...
 
+    def order(self, neurons: torch.Tensor) -> torch.Tensor:
+        """The same neurons in the order to request them when they exceed `capacity` (a tiered unit: file
+        order, so each chunk's misses are a few long reads)."""
+        ...
+
 
 def make_bundles(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """gate, up: [I, H]; down: [H, I] -> bundles [I, 3, H] (contiguous)."""
@@ -88,3 +93,6 @@ class ResidentUnit:
 
     def request(self, neurons: torch.Tensor) -> Request:
         return Request(ready_neurons=neurons, ready_slots=neurons)
+
+    def order(self, neurons: torch.Tensor) -> torch.Tensor:
+        return neurons

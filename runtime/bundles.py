@@ -1,0 +1,313 @@
+"""The slow tier on disk: every MLP neuron's bundle (gate row, up row, down column) as one record of a file.
+
+Layout of `CKPT/neurons/bundles-<dtype>.bin` (see docs/formats.md "Neuron bundles"):
+
+    [header, 4096 B: magic, format_version, build id]
+    unit (0, 0): I records in the unit's file order, then zero padding to a multiple of 4096 B
+    unit (0, 1) ... unit (L-1, E-1)
+
+A record is the unit's bundle `[3, H]` in the file's dtype (float32 / bfloat16 / float16), or for int8 the
+`[3, H]` int8 rows followed by their three float32 scales (`units.quantize_bundles`), so one positional read
+of a record (or of a run of adjacent records) is everything computing those neurons needs. Within a unit the
+records are in the profile's frequency order, most frequent first: the plan's hot neurons are the head of
+each unit (one sequential read at startup) and the cold ones that fire most often sit next to each other
+(docs/predictors.md found a greedy co-activation order no better than frequency on SmolLM2).
+
+`CKPT/neurons/bundles-<dtype>.json` is the index: shapes, record size, each unit's offset, file order and
+one CRC32 per record (a record is the unit of reading and of checking), the build id also written in the
+header (so a .bin and a .json from different builds are refused), and the size and mtime of the source
+files, so `ensure_bundles` rebuilds when the weights or the profile change and reuses the file otherwise.
+"""
+
+import json
+import math
+import mmap
+import os
+import secrets
+import struct
+import tempfile
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from sparseforge.checkpoint import atomic_write_text
+from sparseforge.errors import SparseforgeError
+from sparseforge.runtime.plan import DTYPES, model_shape, neuron_bytes
+from sparseforge.runtime.units import make_bundles, quantize_bundles
+from sparseforge.runtime.weights import WeightReader
+
+BUNDLES_FORMAT_VERSION = 1
+ALIGN = 4096  # header size and unit alignment: the usual O_DIRECT logical block size and page size
+MAGIC = b"SFNEURON"
+MERGE_GAP = 128 * 1024  # bytes of unrequested records a read may span to join two runs into one read
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+
+
+def bundle_paths(ckpt: str | Path, dtype: str) -> tuple[Path, Path]:
+    """(records file, index) of the checkpoint's bundle file in `dtype`."""
+    d = Path(ckpt) / "neurons"
+    return d / f"bundles-{dtype}.bin", d / f"bundles-{dtype}.json"
+
+
+def _sources(ckpt: Path) -> list[dict]:
+    """Size and mtime of the files a bundle file is derived from (weights and profile)."""
+    names = sorted(p.name for p in ckpt.glob("model*.safetensors")) + ["profile.safetensors"]
+    return [{"file": n, "size": (ckpt / n).stat().st_size, "mtime_ns": (ckpt / n).stat().st_mtime_ns}
+            for n in names if (ckpt / n).is_file()]  # fmt: skip
+
+
+def _file_order(ckpt: Path, layers: int, experts: int, width: int) -> tuple[torch.Tensor, str]:
+    """[L, E, I] neuron ids in file order: by profile frequency (most first, ties lower id), else identity."""
+    if not (ckpt / "profile.safetensors").is_file():
+        return torch.arange(width).expand(layers, experts, width), "identity (no profile)"
+    from sparseforge.predictors.profile import load_profile
+
+    counts = load_profile(ckpt)[0]["counts"]
+    if tuple(counts.shape) != (layers, experts, width):
+        raise SparseforgeError(f"{ckpt}/profile.safetensors counts have shape {tuple(counts.shape)}, the model is "
+                               f"{(layers, experts, width)}; re-run sparseforge profile on this checkpoint")  # fmt: skip
+    return torch.argsort(counts.to(torch.int64), dim=-1, descending=True, stable=True), "profile frequency"
+
+
+def encode_records(bundles: torch.Tensor, dtype: str) -> torch.Tensor:
+    """bundles [n, 3, H] float32 -> records uint8 [n, record_bytes] in `dtype` (int8: rows then 3 float32 scales)."""
+    n = bundles.shape[0]
+    if dtype == "int8":
+        q, scales = quantize_bundles(bundles)
+        return torch.cat([q.view(torch.uint8).reshape(n, -1), scales.view(torch.uint8).reshape(n, -1)], dim=1)
+    return bundles.to(TORCH_DTYPES[dtype]).contiguous().view(torch.uint8).reshape(n, -1)
+
+
+def build_bundles(ckpt: str | Path, dtype: str, progress: bool = True) -> Path:
+    """Write `CKPT/neurons/bundles-<dtype>.{bin,json}` (temp names, then renamed: records first, index last)."""
+    ckpt = Path(ckpt)
+    if dtype not in DTYPES:
+        raise SparseforgeError(f"bundle dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    shape = model_shape(ckpt)
+    record = neuron_bytes(shape.hidden, dtype)
+    unit_bytes = math.ceil(shape.intermediate * record / ALIGN) * ALIGN
+    sources = _sources(ckpt)
+    order, order_kind = _file_order(ckpt, shape.layers, shape.experts, shape.intermediate)
+    weights = WeightReader(ckpt, dtype)
+    bin_path, index_path = bundle_paths(ckpt, dtype)
+    bin_path.parent.mkdir(exist_ok=True)
+    build_id = secrets.token_hex(8)
+    units, offset = [], ALIGN
+    fd, tmp = tempfile.mkstemp(prefix=f".{bin_path.name}.", dir=bin_path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_header(build_id).ljust(ALIGN, b"\0"))
+            names = [(i, e) for i in range(shape.layers) for e in range(shape.experts)]
+            for i, e in tqdm(names, desc=f"bundles {dtype}", unit="unit", disable=not progress):
+                ids = order[i, e]
+                records = encode_records(make_bundles(*(w.float() for w in weights.mlp(i, e)))[ids], dtype).numpy()
+                raw = records.tobytes()
+                crcs = [zlib.crc32(raw[k * record : (k + 1) * record]) for k in range(len(records))]
+                f.write(raw.ljust(unit_bytes, b"\0"))
+                units.append({"layer": i, "expert": e, "offset": offset, "order": ids.tolist(), "crc32": crcs})
+                offset += unit_bytes
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, bin_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    index = {
+        "format_version": BUNDLES_FORMAT_VERSION, "dtype": dtype, "build_id": build_id,
+        "layers": shape.layers, "experts": shape.experts, "hidden": shape.hidden, "intermediate": shape.intermediate,
+        "record_bytes": record, "align": ALIGN, "unit_bytes": unit_bytes, "file_bytes": offset,
+        "order": order_kind, "checksum": "zlib crc32 per record", "sources": sources, "units": units,
+    }  # fmt: skip
+    atomic_write_text(index_path, json.dumps(index, separators=(",", ":")) + "\n")
+    return bin_path
+
+
+def _header(build_id: str) -> bytes:
+    return MAGIC + struct.pack("<I", BUNDLES_FORMAT_VERSION) + build_id.encode()
+
+
+def bundles_up_to_date(ckpt: str | Path, dtype: str) -> bool:
+    """True when the index exists, has this format_version and was built from the checkpoint's current files."""
+    _, index_path = bundle_paths(ckpt, dtype)
+    if not index_path.is_file():
+        return False
+    try:
+        index = json.loads(index_path.read_text())
+    except ValueError:
+        return False
+    return index.get("format_version") == BUNDLES_FORMAT_VERSION and index.get("sources") == _sources(Path(ckpt))
+
+
+def ensure_bundles(ckpt: str | Path, dtype: str, build: bool = True, progress: bool = True, **options) -> "BundleFile":
+    """Open the checkpoint's bundle file in `dtype` (options: BundleFile's io, verify), (re)building it first
+    when it is absent or stale and `build`."""
+    if build and not bundles_up_to_date(ckpt, dtype):
+        build_bundles(ckpt, dtype, progress=progress)
+    return BundleFile(ckpt, dtype, **options)
+
+
+# ---------------------------------------------------------------- reading
+
+
+@dataclass
+class ReadResult:
+    """Records read for one batch of neurons, and what it cost."""
+
+    records: torch.Tensor  # uint8 [n, record_bytes], in the order asked for
+    bytes_read: int  # bytes transferred from the file (aligned runs, so >= n x record_bytes)
+    reads: int  # positional read calls
+
+
+class BundleFile:
+    """An open bundle file: positional reads of records, bypassing the page cache where the OS allows.
+
+    io="direct": O_DIRECT with page-aligned buffers and 4096-aligned offsets (falls back to "fadvise" when the
+    file system refuses O_DIRECT); "fadvise": buffered reads followed by posix_fadvise(DONTNEED) on the range
+    read, so the next read of those pages goes to the disk again; "cached": plain buffered reads (the page
+    cache may serve them). Each record's CRC32 is checked the first time it is read (verify="once", records
+    never change once written) or on every read (verify="always"). Runs of requested records closer than
+    `merge_gap` bytes are read with one call (the gap is read and counted too).
+    """
+
+    def __init__(self, ckpt: str | Path, dtype: str, io: str = "direct", verify: str = "once", merge_gap: int = MERGE_GAP):
+        if io not in ("direct", "fadvise", "cached") or verify not in ("once", "always"):
+            raise SparseforgeError(f"io={io!r}, verify={verify!r}: use io direct|fadvise|cached, verify once|always")
+        self.path, index_path = bundle_paths(ckpt, dtype)
+        self.fix = f"delete {self.path.parent} and run again to rebuild it (or call sparseforge.runtime.bundles.build_bundles)"
+        if not index_path.is_file():
+            raise SparseforgeError(f"bundle index {index_path} does not exist; build it: sparseforge.runtime.bundles."
+                                   f"build_bundles({str(ckpt)!r}, {dtype!r}) (generate --fast-memory builds it on first use)")  # fmt: skip
+        self.index = index = json.loads(index_path.read_text())
+        if index.get("format_version") != BUNDLES_FORMAT_VERSION:
+            raise SparseforgeError(f"{index_path} has format_version {index.get('format_version')!r}, this sparseforge "
+                                   f"reads {BUNDLES_FORMAT_VERSION}; {self.fix}")  # fmt: skip
+        if not self.path.is_file():
+            raise SparseforgeError(f"bundle file {self.path} does not exist (its index {index_path.name} does); {self.fix}")
+        size = self.path.stat().st_size
+        if size != index["file_bytes"]:
+            raise SparseforgeError(f"bundle file {self.path} is {size} bytes, its index says {index['file_bytes']}: "
+                                   f"truncated or replaced; {self.fix}")  # fmt: skip
+        self.dtype, self.record = dtype, index["record_bytes"]
+        self.hidden, self.experts = index["hidden"], index["experts"]
+        self.unit_rows = {(u["layer"], u["expert"]): u for u in index["units"]}
+        self.io, self.merge_gap = io, merge_gap
+        self.fd = self._open()
+        self._check_header()
+        self._buf = mmap.mmap(-1, ALIGN)  # page-aligned staging buffer, grown on demand
+        self._lock = threading.Lock()
+        self._verify_always = verify == "always"
+        self._verified = {key: np.zeros(index["intermediate"], dtype=bool) for key in self.unit_rows}
+
+    def _open(self) -> int:
+        if self.io == "direct" and hasattr(os, "O_DIRECT"):
+            try:
+                return os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:
+                pass
+        if self.io == "direct":
+            self.io = "fadvise"  # O_DIRECT unsupported here: fall back and say so in the stats
+        return os.open(self.path, os.O_RDONLY)
+
+    def _check_header(self) -> None:
+        with open(self.path, "rb") as f:
+            head = f.read(len(MAGIC) + 4 + 16)
+        want = _header(self.index["build_id"])
+        if head != want:
+            raise SparseforgeError(f"bundle file {self.path} does not match its index (header {head[:28]!r}, expected build "
+                                   f"{self.index['build_id']}); {self.fix}")  # fmt: skip
+
+    def positions(self, layer: int, expert: int) -> torch.Tensor:
+        """[I] file position of each neuron id within the unit."""
+        order = torch.tensor(self.unit_rows[(layer, expert)]["order"])
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(order.numel())
+        return pos
+
+    def read(self, layer: int, expert: int, positions: np.ndarray) -> ReadResult:
+        """Records at file positions `positions` (int64 [n], any order) of a unit: adjacent ones coalesced into
+        one read, each run widened to ALIGN boundaries for O_DIRECT."""
+        row = self.unit_rows[(layer, expert)]
+        positions = np.asarray(positions, dtype=np.int64)
+        rec, align = self.record, (ALIGN if self.io == "direct" else 1)
+        starts = row["offset"] + positions * rec
+        sort = np.argsort(starts, kind="stable")
+        s = starts[sort]
+        lo = (s // align) * align
+        hi = -((-(s + rec)) // align) * align
+        # a new run where the gap to the next aligned range exceeds merge_gap: reading a small gap costs less
+        # than another read's latency (~0.2-0.3 ms x ~0.7 GB/s here, docs/runtime.md "Neuron store")
+        breaks = np.nonzero(lo[1:] > hi[:-1] + self.merge_gap)[0] + 1
+        run_lo = lo[np.r_[0, breaks]]
+        run_hi = np.maximum.reduceat(hi, np.r_[0, breaks])
+        total = int((run_hi - run_lo).sum())
+        base = np.cumsum(np.r_[0, run_hi - run_lo])[:-1]  # where each run lands in the staging buffer
+        run_of = np.repeat(np.arange(len(run_lo)), np.diff(np.r_[0, breaks, len(s)]))
+        at = base[run_of] + (s - run_lo[run_of])  # staging-buffer offset of each sorted record
+        out = np.empty((len(s), rec), dtype=np.uint8)
+        with self._lock:  # one staging buffer: the engine thread (hot loads) and the reader thread share it
+            if len(self._buf) < total:
+                self._buf = mmap.mmap(-1, -(-total // ALIGN) * ALIGN)  # the old one is freed with its last view
+            view = memoryview(self._buf)
+            for a, b, at_ in zip(run_lo.tolist(), run_hi.tolist(), base.tolist()):
+                self._pread(view[at_ : at_ + (b - a)], a)
+            view.release()
+            staged = np.frombuffer(self._buf, dtype=np.uint8, count=total)
+            for first, last in zip(np.r_[0, breaks].tolist(), np.r_[breaks, len(s)].tolist()):
+                # inside a run, records sit a whole number of records apart: a strided [span, rec] view, gather rows
+                a0 = int(at[first])
+                span = int(at[last - 1] - a0) // rec + 1
+                rows = np.lib.stride_tricks.as_strided(staged[a0:], shape=(span, rec), strides=(rec, 1))
+                out[sort[first:last]] = rows[(at[first:last] - a0) // rec]
+            del staged
+        self._check(row, positions, out)
+        return ReadResult(torch.from_numpy(out), total, len(run_lo))
+
+    def _pread(self, buf: memoryview, offset: int) -> None:
+        try:
+            n = os.preadv(self.fd, [buf], offset)
+        except OSError as e:
+            if self.io != "direct":
+                raise SparseforgeError(f"reading bundle file {self.path} at offset {offset} failed: {e}; {self.fix}") from e
+            os.close(self.fd)  # the file system refused an O_DIRECT read: continue buffered + DONTNEED
+            self.io = "fadvise"
+            self.fd = os.open(self.path, os.O_RDONLY)
+            n = os.preadv(self.fd, [buf], offset)
+        if n < len(buf) and offset + n < self.index["file_bytes"]:
+            raise SparseforgeError(f"bundle file {self.path} ended at byte {offset + n}, its index says "
+                                   f"{self.index['file_bytes']}: truncated; {self.fix}")  # fmt: skip
+        if self.io == "fadvise":
+            os.posix_fadvise(self.fd, offset, len(buf), os.POSIX_FADV_DONTNEED)
+
+    def _check(self, row: dict, positions: np.ndarray, records: np.ndarray) -> None:
+        seen = self._verified[(row["layer"], row["expert"])]
+        todo = np.arange(len(positions)) if self._verify_always else np.nonzero(~seen[positions])[0]
+        crcs = row["crc32"]
+        for k in todo.tolist():
+            p = int(positions[k])
+            got = zlib.crc32(records[k])
+            if got != crcs[p]:
+                raise SparseforgeError(
+                    f"bundle file {self.path}: record {p} of layer {row['layer']} expert {row['expert']} (byte "
+                    f"{row['offset'] + p * self.record}) fails its CRC32 (stored {crcs[p]:08x}, read {got:08x}): "
+                    f"the file is corrupted; {self.fix}"
+                )
+        seen[positions[todo]] = True
+
+    def decode(self, records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """records uint8 [n, record_bytes] -> (bundles [n, 3, H] in the file dtype, scales float32 [n, 3] or None)."""
+        n, h = records.shape[0], self.hidden
+        if self.dtype == "int8":
+            q = records[:, : 3 * h].contiguous().view(torch.int8).reshape(n, 3, h)
+            return q, records[:, 3 * h :].contiguous().view(torch.float32).reshape(n, 3)
+        return records.view(TORCH_DTYPES[self.dtype]).reshape(n, 3, h), None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -1,0 +1,398 @@
+/* Native CPU kernels of the sparseforge decode engine (loaded with ctypes by runtime/kernels.py).
+ *
+ * Decode is memory-bandwidth bound, so every kernel streams each weight row it needs exactly once,
+ * accumulates in float32, and parallelises over rows/neurons with OpenMP (per-thread accumulators,
+ * no atomics). Weights are float32, bfloat16, float16 or int8 with one float32 scale per row;
+ * activations are always float32.
+ *
+ *   sf_matvec      y[b, r] = scale[r] * dot(W[r, :], x[b, :])          dense rows (attention, lm_head)
+ *   sf_predict     ids of neurons whose predictor score fc2(relu(fc1 x)) >= threshold (weights of any dtype)
+ *   sf_sparse_mlp  y += out_scale * sum_j act(gate_j . x, up_j . x) * down_j over the given slots of
+ *                  bundles [S, 3, H] (gate row, up row, down column); a neuron whose gate already
+ *                  makes the activation zero skips reading its up row and down column, one whose
+ *                  activation is zero skips its down column; counts[0], counts[1] report how many
+ *                  up rows and down columns were read (so the engine counts the bytes it touched).
+ *   sf_attention_decode  a whole attention block for one row at one position (norms, qkv, RoPE, KV-cache
+ *                  write, GQA attention, o projection, residual), so a decode step costs a few calls per layer.
+ *
+ * AVX2 + FMA + F16C intrinsics when the compiler targets them, a scalar fallback otherwise.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SF_AVX2 1
+#else
+#define SF_AVX2 0
+#endif
+
+#ifndef SF_PREFETCH
+#define SF_PREFETCH 256 /* elements ahead */
+#endif
+#define SF_INLINE inline __attribute__((always_inline))
+
+enum { SF_F32 = 0, SF_BF16 = 1, SF_F16 = 2, SF_I8 = 3 };
+enum { ACT_SILU = 0, ACT_RELU = 1, ACT_DRELU = 2, ACT_SHIFTED_RELU = 3, ACT_FATRELU = 4 };
+
+int sf_has_avx2(void) { return SF_AVX2; }
+
+int sf_has_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static const int ELEM_SIZE[4] = {4, 2, 2, 1};
+
+static SF_INLINE float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static SF_INLINE float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else {  // subnormal: normalise
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            u = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000 | (man << 13);
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#if SF_AVX2
+static SF_INLINE float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 8 weights of any dtype -> 8 floats */
+static SF_INLINE __m256 load8(const void *w, int64_t i, int dtype) {
+    switch (dtype) {
+    case SF_F32: return _mm256_loadu_ps((const float *)w + i);
+    case SF_BF16: {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    case SF_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i)));
+    default: {
+        __m128i b = _mm_loadl_epi64((const __m128i *)((const int8_t *)w + i));
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    }
+    }
+}
+#endif
+
+static SF_INLINE float load1(const void *w, int64_t i, int dtype) {
+    switch (dtype) {
+    case SF_F32: return ((const float *)w)[i];
+    case SF_BF16: return bf16_to_f32(((const uint16_t *)w)[i]);
+    case SF_F16: return f16_to_f32(((const uint16_t *)w)[i]);
+    default: return (float)((const int8_t *)w)[i];
+    }
+}
+
+/* dot(w[0:n], x[0:n]) in float32, w of `dtype` (unscaled for int8) */
+static SF_INLINE float dot(const void *w, const float *x, int64_t n, int dtype) {
+    int64_t i = 0;
+    float s = 0.0f;
+#if SF_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm256_fmadd_ps(load8(w, i, dtype), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(load8(w, i + 8, dtype), _mm256_loadu_ps(x + i + 8), a1);
+        a2 = _mm256_fmadd_ps(load8(w, i + 16, dtype), _mm256_loadu_ps(x + i + 16), a2);
+        a3 = _mm256_fmadd_ps(load8(w, i + 24, dtype), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(load8(w, i, dtype), _mm256_loadu_ps(x + i), a0);
+    s = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
+    for (; i < n; i++) s += load1(w, i, dtype) * x[i];
+    return s;
+}
+
+/* y[0:n] += a * w[0:n] */
+static SF_INLINE void axpy(float a, const void *w, float *y, int64_t n, int dtype) {
+    int64_t i = 0;
+#if SF_AVX2
+    __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8(w, i, dtype), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * load1(w, i, dtype);
+}
+
+/* out[0..3] = dot(w_j, x) for four rows w_j, j < 4: four independent streams hide memory latency better
+ * than one, and x is loaded once for all four. */
+static SF_INLINE void dot4(const void *w0, const void *w1, const void *w2, const void *w3, const float *x, int64_t n, int dtype, float *out) {
+    int64_t i = 0;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#if SF_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 xv = _mm256_loadu_ps(x + i);
+        if (SF_PREFETCH && (i & 15) == 0) {  /* software prefetch (-DSF_PREFETCH=0: none): one cache line per stream per 64 bytes of f32 */
+            _mm_prefetch((const char *)w0 + (i + SF_PREFETCH) * ELEM_SIZE[dtype], _MM_HINT_T0);
+            _mm_prefetch((const char *)w1 + (i + SF_PREFETCH) * ELEM_SIZE[dtype], _MM_HINT_T0);
+            _mm_prefetch((const char *)w2 + (i + SF_PREFETCH) * ELEM_SIZE[dtype], _MM_HINT_T0);
+            _mm_prefetch((const char *)w3 + (i + SF_PREFETCH) * ELEM_SIZE[dtype], _MM_HINT_T0);
+        }
+        a0 = _mm256_fmadd_ps(load8(w0, i, dtype), xv, a0);
+        a1 = _mm256_fmadd_ps(load8(w1, i, dtype), xv, a1);
+        a2 = _mm256_fmadd_ps(load8(w2, i, dtype), xv, a2);
+        a3 = _mm256_fmadd_ps(load8(w3, i, dtype), xv, a3);
+    }
+    s0 = hsum256(a0), s1 = hsum256(a1), s2 = hsum256(a2), s3 = hsum256(a3);
+#endif
+    for (; i < n; i++) {
+        s0 += load1(w0, i, dtype) * x[i];
+        s1 += load1(w1, i, dtype) * x[i];
+        s2 += load1(w2, i, dtype) * x[i];
+        s3 += load1(w3, i, dtype) * x[i];
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+/* y[0:n] += a[0] w0 + a[1] w1 + a[2] w2 + a[3] w3: four down columns in one pass over y */
+static SF_INLINE void axpy4(const float *a, const void *w0, const void *w1, const void *w2, const void *w3, float *y, int64_t n, int dtype) {
+    int64_t i = 0;
+#if SF_AVX2
+    __m256 v0 = _mm256_set1_ps(a[0]), v1 = _mm256_set1_ps(a[1]), v2 = _mm256_set1_ps(a[2]), v3 = _mm256_set1_ps(a[3]);
+    for (; i + 8 <= n; i += 8) {
+        __m256 acc = _mm256_fmadd_ps(v0, load8(w0, i, dtype), _mm256_loadu_ps(y + i));
+        acc = _mm256_fmadd_ps(v1, load8(w1, i, dtype), acc);
+        acc = _mm256_fmadd_ps(v2, load8(w2, i, dtype), acc);
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(v3, load8(w3, i, dtype), acc));
+    }
+#endif
+    for (; i < n; i++) y[i] += a[0] * load1(w0, i, dtype) + a[1] * load1(w1, i, dtype) + a[2] * load1(w2, i, dtype) + a[3] * load1(w3, i, dtype);
+}
+
+static SF_INLINE void prefetch_row(const char *p, int64_t bytes) {
+#if SF_AVX2 && !defined(SF_NO_PREFETCH) /* -DSF_NO_PREFETCH builds without it, to measure what it gains */
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+#else
+    (void)p, (void)bytes;
+#endif
+}
+
+static SF_INLINE int threads_for(int nthreads, int64_t work) {
+    if (nthreads < 1) nthreads = 1;
+    return work < 64 ? 1 : nthreads;  /* too little work to pay for waking a team */
+}
+
+/* y[b * rows + r] = scale[r] * dot(W[r], x[b]) (+ bias[r]) for b < nx. W: [rows, cols] row-major. */
+static SF_INLINE void matvec_impl(const void *W, const float *scales, const float *bias, const int dtype, int64_t rows, int64_t cols,
+                                   const float *x, int64_t nx, float *y, int nthreads) {
+    const char *base = (const char *)W;
+    int64_t row_bytes = cols * ELEM_SIZE[dtype], blocks = (rows + 3) / 4;
+#pragma omp parallel for schedule(dynamic, 16) num_threads(threads_for(nthreads, rows))
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        int64_t r0 = blk * 4;
+        if (nx == 1 && r0 + 4 <= rows) {
+            const char *w = base + r0 * row_bytes;
+            float d[4];
+            dot4(w, w + row_bytes, w + 2 * row_bytes, w + 3 * row_bytes, x, cols, dtype, d);
+            for (int k = 0; k < 4; k++) y[r0 + k] = (scales ? scales[r0 + k] : 1.0f) * d[k] + (bias ? bias[r0 + k] : 0.0f);
+            continue;
+        }
+        for (int64_t r = r0; r < r0 + 4 && r < rows; r++) {
+            const void *w = base + r * row_bytes;
+            float sc = scales ? scales[r] : 1.0f, b = bias ? bias[r] : 0.0f;
+            for (int64_t j = 0; j < nx; j++) y[j * rows + r] = sc * dot(w, x + j * cols, cols, dtype) + b;
+        }
+    }
+}
+
+/* one copy of each kernel per dtype, so the per-element dtype switch folds away at compile time */
+#define SF_DISPATCH(CALL)                                   \
+    switch (dtype) {                                        \
+    case SF_F32: CALL(SF_F32); break;                       \
+    case SF_BF16: CALL(SF_BF16); break;                     \
+    case SF_F16: CALL(SF_F16); break;                       \
+    default: CALL(SF_I8); break;                            \
+    }
+
+void sf_matvec(const void *W, const float *scales, const float *bias, int dtype, int64_t rows, int64_t cols,
+               const float *x, int64_t nx, float *y, int nthreads) {
+#define SF_MATVEC(DT) matvec_impl(W, scales, bias, DT, rows, cols, x, nx, y, nthreads)
+    SF_DISPATCH(SF_MATVEC)
+}
+
+/* Predictor (no biases): z = relu(fc1 x) [rank], score = fc2 z [I], weights of `dtype` (int8: with per-row
+ * scales s1, s2); writes the ids with score >= threshold to out (ascending) and returns their count.
+ * scratch: float [rank + I]. */
+int64_t sf_predict(const void *fc1, const float *s1, const void *fc2, const float *s2, int dtype, int64_t rank, int64_t hidden,
+                   int64_t inter, const float *x, float threshold, int64_t *out, float *scratch, int nthreads) {
+    float *z = scratch, *score = scratch + rank;
+    sf_matvec(fc1, s1, NULL, dtype, rank, hidden, x, 1, z, nthreads);
+    for (int64_t r = 0; r < rank; r++) z[r] = z[r] > 0.0f ? z[r] : 0.0f;
+    sf_matvec(fc2, s2, NULL, dtype, inter, rank, z, 1, score, nthreads);
+    int64_t n = 0;
+    for (int64_t i = 0; i < inter; i++)
+        if (score[i] >= threshold) out[n++] = i;
+    return n;
+}
+
+/* act(g, u) of model's activation; *skip set when g alone makes it zero (then u is not needed). */
+static SF_INLINE int gate_kills(int act, float g, float t) {
+    switch (act) {
+    case ACT_RELU: case ACT_DRELU: return !(g > 0.0f);
+    case ACT_SHIFTED_RELU: case ACT_FATRELU: return !(g > t);
+    default: return 0;
+    }
+}
+
+static SF_INLINE float activation(int act, float g, float u, float t) {
+    switch (act) {
+    case ACT_SILU: return g / (1.0f + expf(-g)) * u;
+    case ACT_RELU: return g * u;
+    case ACT_DRELU: return u > 0.0f ? g * u : 0.0f;
+    case ACT_SHIFTED_RELU: return (g - t) * u;
+    default: return g * u;  /* fatrelu */
+    }
+}
+
+/* y[0:H] += out_scale * sum over slots s of act(g_s, u_s) * down_s, bundles [S, 3, H] of `dtype`,
+ * scales [S, 3] (int8 only, else NULL). counts[0] += up rows read, counts[1] += neurons that fired
+ * (activation != 0, their down columns read). */
+static SF_INLINE void sparse_mlp_impl(const void *bundles, const float *scales, const int dtype, int64_t hidden, const int64_t *slots,
+                                       int64_t n, const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts,
+                                       int nthreads) {
+    const char *base = (const char *)bundles;
+    int64_t row_bytes = hidden * ELEM_SIZE[dtype];
+    int64_t fired = 0, ups = 0;
+    int nt = threads_for(nthreads, n);
+#pragma omp parallel num_threads(nt) reduction(+ : fired, ups)
+    {
+        float acc[hidden];
+        memset(acc, 0, sizeof(float) * hidden);
+        int any = 0;
+        /* blocks of 4 neurons: gate rows, then the up rows the gates let through, then the down columns of
+         * those that fired, each as 4 parallel streams (short lists are padded with a repeated row, which
+         * costs cache hits only, and weight 0). */
+#pragma omp for schedule(dynamic, 8) /* dynamic: on a shared machine a descheduled thread's work moves to the others */
+        for (int64_t i0 = 0; i0 < n; i0 += 4) {
+            int m = n - i0 < 4 ? (int)(n - i0) : 4, live[4], nl = 0, nf = 0;
+            const char *b[4], *r[4];
+            float g[4], u[4], h[4];
+            for (int j = 0; j < 4; j++) b[j] = base + slots[i0 + (j < m ? j : 0)] * 3 * row_bytes;
+            if (i0 + 4 < n) prefetch_row(base + slots[i0 + 4] * 3 * row_bytes, row_bytes);  /* next block's first gate row */
+            dot4(b[0], b[1], b[2], b[3], x, hidden, dtype, g);
+            for (int j = 0; j < m; j++) {
+                if (scales) g[j] *= scales[3 * slots[i0 + j]];
+                if (!gate_kills(act, g[j], threshold)) live[nl++] = j;
+            }
+            if (nl == 0) continue;
+            ups += nl;
+            for (int j = 0; j < 4; j++) r[j] = b[live[j < nl ? j : 0]] + row_bytes;
+            dot4(r[0], r[1], r[2], r[3], x, hidden, dtype, u);
+            for (int j = 0; j < nl; j++) {
+                int k = live[j];
+                const float *sc = scales ? scales + 3 * slots[i0 + k] : NULL;
+                float hk = activation(act, g[k], u[j] * (sc ? sc[1] : 1.0f), threshold);
+                if (hk == 0.0f) continue;
+                h[nf] = hk * out_scale * (sc ? sc[2] : 1.0f);
+                r[nf++] = b[k] + 2 * row_bytes;
+            }
+            if (nf == 0) continue;
+            fired += nf;
+            any = 1;
+            for (int j = nf; j < 4; j++) h[j] = 0.0f, r[j] = r[0];
+            axpy4(h, r[0], r[1], r[2], r[3], acc, hidden, dtype);
+        }
+        if (any) {
+#pragma omp critical
+            for (int64_t k = 0; k < hidden; k++) y[k] += acc[k];
+        }
+    }
+    counts[0] += ups;
+    counts[1] += fired;
+}
+
+void sf_sparse_mlp(const void *bundles, const float *scales, int dtype, int64_t hidden, const int64_t *slots, int64_t n,
+                   const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts, int nthreads) {
+#define SF_SPARSE_MLP(DT) sparse_mlp_impl(bundles, scales, DT, hidden, slots, n, x, act, threshold, out_scale, y, counts, nthreads)
+    SF_DISPATCH(SF_SPARSE_MLP)
+}
+
+static void rms_norm(const float *x, const float *w, float eps, int64_t n, float *out) {
+    double ss = 0.0;  /* the mean of squares in double: one value per row, cheap, and close to torch's */
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float r = 1.0f / sqrtf((float)(ss / n) + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+static void rope(float *v, const float *cos, const float *sin, int64_t hd) {
+    int64_t half = hd / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = v[i], b = v[i + half];
+        v[i] = a * cos[i] - b * sin[i];
+        v[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* One decoder layer's attention block for one row at position `pos` (0-based), in place:
+ *   xn = rms_norm(x) * in_norm; q, k, v = split(qkv_w xn + qkv_b); q/k head norms (Qwen3); RoPE;
+ *   k, v -> cache[:, pos]; attention of each query head over positions [max(0, pos + 1 - window), pos] of
+ *   its kv head (GQA); x += o_w attn + o_b; out = rms_norm(x) * post_norm (the MLP's input).
+ * k_cache, v_cache: [kv_heads, context, hd] of this layer and row. scratch: float [H + (nh + 2 kvh) hd +
+ * nh hd + nh (pos + 1)]. window 0 = none. */
+void sf_attention_decode(float *x, float *out, const float *in_norm, const float *post_norm, float eps, int64_t hidden,
+                         const void *qkv_w, const float *qkv_s, const float *qkv_b, const void *o_w, const float *o_s,
+                         const float *o_b, int dtype, const float *q_norm, const float *k_norm, const float *cos,
+                         const float *sin, float *k_cache, float *v_cache, int64_t context, int64_t pos, int64_t window,
+                         int64_t nh, int64_t kvh, int64_t hd, float *scratch, int nthreads) {
+    float *xn = scratch, *qkv = xn + hidden, *att = qkv + (nh + 2 * kvh) * hd, *scores = att + nh * hd;
+    rms_norm(x, in_norm, eps, hidden, xn);
+    sf_matvec(qkv_w, qkv_s, qkv_b, dtype, (nh + 2 * kvh) * hd, hidden, xn, 1, qkv, nthreads);
+    float *q = qkv, *k = qkv + nh * hd, *v = k + kvh * hd;
+    for (int64_t h = 0; h < nh + kvh; h++) {  /* query heads then key heads */
+        float *head = qkv + h * hd;
+        const float *norm = h < nh ? q_norm : k_norm;
+        if (norm) rms_norm(head, norm, eps, hd, head);
+        rope(head, cos, sin, hd);
+    }
+    for (int64_t h = 0; h < kvh; h++) {
+        memcpy(k_cache + (h * context + pos) * hd, k + h * hd, sizeof(float) * hd);
+        memcpy(v_cache + (h * context + pos) * hd, v + h * hd, sizeof(float) * hd);
+    }
+    int64_t first = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0, n = pos + 1 - first, group = nh / kvh;
+    float scale = 1.0f / sqrtf((float)hd);
+#pragma omp parallel for schedule(static) num_threads(threads_for(nthreads, n * nh))
+    for (int64_t h = 0; h < nh; h++) {
+        const float *qh = q + h * hd, *kh = k_cache + ((h / group) * context + first) * hd, *vh = v_cache + ((h / group) * context + first) * hd;
+        float *sc = scores + h * n, *o = att + h * hd, mx = -INFINITY, sum = 0.0f;
+        for (int64_t s = 0; s < n; s++) {
+            sc[s] = dot(kh + s * hd, qh, hd, SF_F32) * scale;
+            mx = sc[s] > mx ? sc[s] : mx;
+        }
+        for (int64_t s = 0; s < n; s++) sum += (sc[s] = expf(sc[s] - mx));
+        memset(o, 0, sizeof(float) * hd);
+        for (int64_t s = 0; s < n; s++) axpy(sc[s] / sum, vh + s * hd, o, hd, SF_F32);
+    }
+    sf_matvec(o_w, o_s, o_b, dtype, hidden, nh * hd, att, 1, xn, nthreads);
+    for (int64_t i = 0; i < hidden; i++) x[i] += xn[i];
+    rms_norm(x, post_norm, eps, hidden, out);
+}
+
+/* out = rms_norm(x) * w for one row (the final norm before lm_head). */
+void sf_rms_norm(const float *x, const float *w, float eps, int64_t n, float *out) { rms_norm(x, w, eps, n, out); }

@@ -1,0 +1,188 @@
+"""CPU kernels of the decode engine: a native C library (runtime/csrc/sparse_kernels.c) and PyTorch
+references that compute the same thing.
+
+The native library is compiled on first use with the system C compiler
+(`cc -O3 -march=native -fopenmp -shared -fPIC`) into a cache directory keyed by the hash of the source,
+the flags and the CPU, and loaded with ctypes (ctypes releases the GIL during a call, so a store's
+prefetch thread runs while a kernel computes). Without a compiler, or with `SPARSEFORGE_NATIVE=0`, every
+kernel falls back to PyTorch ops (index_select + matmul); tests check both paths against each other.
+
+Weights come as float32, bfloat16, float16, or int8 with one float32 scale per row; activations and
+accumulation are float32.
+"""
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from sparseforge.errors import SparseforgeError
+from sparseforge.sparsify.hf_code.modeling_sparseforge import ACTIVATIONS, GatedActivation
+
+SOURCE = Path(__file__).parent / "csrc" / "sparse_kernels.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
+ACT_CODES = {kind: i for i, kind in enumerate(ACTIVATIONS)}  # same order as the C enum
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+_f32 = ctypes.c_float
+_int = ctypes.c_int
+_SIGNATURES = {
+    "sf_matvec": (None, [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p, _int]),
+    "sf_predict": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _i64, _p, _f32, _p, _p, _int]),
+    "sf_sparse_mlp": (None, [_p, _p, _int, _i64, _p, _i64, _p, _int, _f32, _f32, _p, _p, _int]),
+    "sf_attention_decode": (None, [_p, _p, _p, _p, _f32, _i64, _p, _p, _p, _p, _p, _p, _int, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _int]),
+    "sf_rms_norm": (None, [_p, _p, _f32, _i64, _p]),
+    "sf_has_avx2": (_int, []),
+    "sf_has_openmp": (_int, []),
+}
+
+
+Weights = tuple[torch.Tensor, torch.Tensor | None]  # (weights in a kernel dtype, per-row float32 scales for int8)
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels live: $SPARSEFORGE_KERNEL_CACHE or ~/.cache/sparseforge/kernels."""
+    return Path(os.environ.get("SPARSEFORGE_KERNEL_CACHE") or Path.home() / ".cache" / "sparseforge" / "kernels")
+
+
+def _cpu_id() -> str:
+    """The CPU's feature flags (what -march=native compiles for), so a cache shared across machines stays valid."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compile(out: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        raise OSError("no C compiler (cc, gcc or clang) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    os.close(fd)
+    try:
+        for flags in (FLAGS, tuple(f for f in FLAGS if f != "-fopenmp")):  # OpenMP is optional
+            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+            if done.returncode == 0:
+                os.replace(tmp, out)
+                return
+        raise OSError(f"{compiler} failed: {done.stderr.strip()[:500]}")
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+@lru_cache(maxsize=1)
+def native() -> ctypes.CDLL | None:
+    """The compiled kernel library, building it on first use; None (with a warning) when that fails or
+    when SPARSEFORGE_NATIVE=0."""
+    if os.environ.get("SPARSEFORGE_NATIVE", "1") == "0":
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    path = cache_dir() / f"sparse_kernels-{key}.so"
+    try:
+        if not path.is_file():
+            _compile(path)
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        warnings.warn(f"sparseforge native kernels unavailable ({e}); using PyTorch ops", stacklevel=2)
+        return None
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    if dtype not in DTYPE_CODES:
+        raise SparseforgeError(f"kernel weight dtype {dtype} unsupported; use float32, bfloat16, float16 or int8")
+    return DTYPE_CODES[dtype]
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """Address of a tensor's data for ctypes (None for None)."""
+    return None if t is None else t.data_ptr()
+
+
+# -- dense rows ------------------------------------------------------------------------------------------
+
+
+def dequantize(w: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """Weights of any kernel dtype -> float32 (int8 rows times their scales). w: [..., K], scales: [...]."""
+    if scales is None:
+        return w.float()
+    return w.float() * scales.unsqueeze(-1)
+
+
+def matvec_native(w: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None, x: torch.Tensor, threads: int) -> torch.Tensor:
+    """x: [N, K] float32 (contiguous), w: [R, K] -> [N, R] float32 via sf_matvec (each weight row read once)."""
+    rows, cols = w.shape
+    y = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    native().sf_matvec(w.data_ptr(), ptr(scales), ptr(bias), DTYPE_CODES[w.dtype], rows, cols, x.data_ptr(), x.shape[0], y.data_ptr(), threads)
+    return y
+
+
+def matvec_torch(w: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """Reference of matvec_native: x [N, K] @ dequantize(w).T (+ bias) -> [N, R]."""
+    weight = w if w.dtype == torch.float32 and scales is None else dequantize(w, scales)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+# -- predictor -------------------------------------------------------------------------------------------
+
+
+def predict_native(fc1: Weights, fc2: Weights, threshold: float, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor, threads: int) -> torch.Tensor:
+    """x: [H] float32 -> ascending LongTensor of neuron ids with fc2(relu(fc1 x)) >= threshold (a view of
+    `out` [I]); fc1 = (weights [rank, H], scales or None), fc2 = ([I, rank], scales or None), one dtype;
+    scratch: float32 [rank + I]."""
+    (w1, s1), (w2, s2) = fc1, fc2
+    rank, hidden = w1.shape
+    n = native().sf_predict(w1.data_ptr(), ptr(s1), w2.data_ptr(), ptr(s2), DTYPE_CODES[w1.dtype], rank, hidden, w2.shape[0], x.data_ptr(),
+                            threshold, out.data_ptr(), scratch.data_ptr(), threads)  # fmt: skip
+    return out[:n]
+
+
+def predict_torch(fc1: Weights, fc2: Weights, threshold: float, x: torch.Tensor) -> torch.Tensor:
+    """Reference of predict_native for rows x [N, H] -> predicted-active mask [N, I] bool."""
+    return matvec_torch(*fc2, None, torch.relu(matvec_torch(*fc1, None, x))) >= threshold
+
+
+# -- sparse MLP over bundles -----------------------------------------------------------------------------
+
+
+def sparse_mlp_native(bundles: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor, activation: GatedActivation,
+                      y: torch.Tensor, out_scale: float, counts: torch.Tensor, threads: int) -> None:
+    """y [H] += out_scale * sum over `slots` of act(gate . x, up . x) * down for one row x [H] (float32,
+    contiguous); bundles [S, 3, H]. counts (int64 [2]) += (up rows read, neurons fired = down columns read):
+    a neuron whose gate already zeroes the activation reads neither."""
+    slots = slots if slots.dtype == torch.long and slots.is_contiguous() else slots.long().contiguous()
+    native().sf_sparse_mlp(
+        bundles.data_ptr(), ptr(scales), DTYPE_CODES[bundles.dtype], bundles.shape[-1], slots.data_ptr(), slots.numel(),
+        x.data_ptr(), ACT_CODES[activation.kind], activation.threshold, out_scale, y.data_ptr(), counts.data_ptr(), threads,
+    )
+
+
+def sparse_mlp_torch(bundles: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor, activation: GatedActivation,
+                     keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch path (and reference): x [N, H] float32, `slots` [k] -> (y [N, H] = h @ down, h [N, k]) with
+    h = act(x @ gate.T, x @ up.T), zeroed where keep [N, k] (bool) is False."""
+    b = bundles.index_select(0, slots)  # [k, 3, H]
+    b = dequantize(b, None if scales is None else scales.index_select(0, slots))
+    g = x @ b[:, 0].T  # [N, k]
+    u = x @ b[:, 1].T
+    h = activation(g, u)
+    if keep is not None:
+        h = torch.where(keep, h, torch.zeros((), dtype=h.dtype))
+    return h @ b[:, 2], h

@@ -1,0 +1,65 @@
+"""Token sampling: greedy, temperature, top-k, top-p (nucleus), seeded; and the generation settings."""
+
+from dataclasses import dataclass
+
+import torch
+
+from sparseforge.errors import SparseforgeError
+
+
+@dataclass
+class GenerationConfig:
+    """How `Engine.generate` picks tokens. Greedy when temperature == 0; top_k = 0 and top_p = 1 disable
+    those filters; seed None draws fresh randomness; stop_ids None means the tokenizer's EOS ids."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 0:
+            raise SparseforgeError(f"max_new_tokens={self.max_new_tokens} is negative; use 0 or more")
+        if self.temperature < 0:
+            raise SparseforgeError(f"temperature={self.temperature} is negative; use 0 (greedy) or more")
+        if self.top_k < 0:
+            raise SparseforgeError(f"top_k={self.top_k} is negative; use 0 (off) or a positive count")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SparseforgeError(f"top_p={self.top_p} is outside (0, 1]; use 1.0 to turn it off")
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded with `seed`, or from fresh entropy when None."""
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """logits [V] -> temperature-scaled logits with everything outside top-k / the top-p nucleus at -inf.
+    The nucleus is the smallest set of most likely tokens whose probability reaches top_p."""
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # probability mass of the strictly more likely tokens
+        drop = before >= top_p
+        drop[0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> int:
+    """One token id from logits [V]."""
+    if config.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(filter_logits(logits, config.temperature, config.top_k, config.top_p), dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

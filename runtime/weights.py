@@ -1,0 +1,232 @@
+"""The engine's weights, read straight from the checkpoint's safetensors (never through a transformers
+model, so a disk-backed run keeps MLP weights out of memory).
+
+Non-MLP tensors (embeddings, attention, norms, MoE routers, lm_head) are read whole and kept resident in
+the requested weight dtype; every MLP (one per layer, or per expert of an MoE layer) becomes an `MLPUnit`
+(runtime/units.py) made by a `units` factory:
+
+    units(layer: int, expert: int, reader: WeightReader) -> MLPUnit
+
+The default, `resident_unit`, keeps all of a unit's bundles in memory; a tiered store passes its own
+factory and reads what it needs through `reader` (`reader.mlp(layer, expert)`, `reader.weight_dtype`).
+Dense mode with the default factory keeps the MLPs as plain [I, H] matrices instead (the fair baseline).
+
+Weight dtypes: float32, bfloat16, float16 (every matrix converted), or int8 (weight-only, symmetric, one
+float32 scale per row of every matrix; 1-D tensors stay float32) — as docs/formats.md "plan.json" counts them.
+"""
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from sparseforge.errors import SparseforgeError
+from sparseforge.runtime import kernels
+from sparseforge.runtime.units import MLPUnit, ResidentUnit, make_bundles, quantize_bundles
+
+WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+SMALL_BATCH = 8  # rows up to which a reduced-precision Linear streams its weights through the native matvec
+
+
+class WeightReader:
+    """Reads the checkpoint's tensors by name (single model.safetensors or shards + index), one at a time."""
+
+    def __init__(self, ckpt: str | Path, weight_dtype: str):
+        self.ckpt = Path(ckpt)
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise SparseforgeError(f"unknown weight_dtype {weight_dtype!r}; use one of {', '.join(WEIGHT_DTYPES)}")
+        self.weight_dtype = weight_dtype
+        index = self.ckpt / "model.safetensors.index.json"
+        if index.is_file():
+            self.files = {k: self.ckpt / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        elif (self.ckpt / "model.safetensors").is_file():
+            with safe_open(str(self.ckpt / "model.safetensors"), framework="pt") as f:
+                self.files = dict.fromkeys(f.keys(), self.ckpt / "model.safetensors")
+        else:
+            raise SparseforgeError(f"{self.ckpt} has no model.safetensors (or index); pass a sparse checkpoint directory")
+
+    def has(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor as stored."""
+        if name not in self.files:
+            raise SparseforgeError(f"{self.ckpt} lacks weight {name!r}; is the checkpoint complete (sparseforge convert)?")
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def mlp(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [I, H], up [I, H], down [H, I]) of a unit, as stored."""
+        prefix = f"model.layers.{layer}.mlp"
+        if self.has(f"{prefix}.experts.gate_up_proj"):
+            gate_up = self.get(f"{prefix}.experts.gate_up_proj")[expert]  # [2I, H]
+            gate, up = gate_up.chunk(2, dim=0)
+            return gate, up, self.get(f"{prefix}.experts.down_proj")[expert]
+        return self.get(f"{prefix}.gate_proj.weight"), self.get(f"{prefix}.up_proj.weight"), self.get(f"{prefix}.down_proj.weight")
+
+
+def convert(w: torch.Tensor, weight_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A matrix [..., K] in the engine's weight dtype: (weights, per-row float32 scales for int8 else None)."""
+    if weight_dtype == "int8":
+        return quantize_bundles(w)  # per-row symmetric int8 over the last dimension, any leading shape
+    return w.to(WEIGHT_DTYPES[weight_dtype]).contiguous(), None
+
+
+def resident_unit(layer: int, expert: int, reader: WeightReader) -> MLPUnit:
+    """Default units factory: every bundle of the unit in memory, in reader.weight_dtype."""
+    bundles, scales = convert(make_bundles(*reader.mlp(layer, expert)), reader.weight_dtype)
+    return ResidentUnit(layer, expert, bundles, scales)
+
+
+@dataclass
+class Linear:
+    """y = x @ W.T (+ bias) with W [R, K] in a kernel dtype (int8: times per-row scales)."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    threads: int = 1
+    native: bool = True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, K] float32 -> [N, R] float32. float32 weights go to PyTorch's BLAS (its sgemv matched or
+        beat sf_matvec in every side-by-side run, docs/runtime.md "Kernels"); other dtypes to the native
+        matvec for a few rows (PyTorch would convert the whole matrix first)."""
+        if self.native and x.shape[0] <= SMALL_BATCH and self.weight.dtype != torch.float32:
+            return kernels.matvec_native(self.weight, self.scales, self.bias, x.contiguous(), self.threads)
+        return kernels.matvec_torch(self.weight, self.scales, self.bias, x)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scales, self.bias) if t is not None)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H]
+    qkv: Linear  # [(nh + 2 kvh) * hd, H], q, k, v stacked
+    o: Linear  # [H, nh * hd]
+    q_norm: torch.Tensor | None = None  # [hd] (Qwen3)
+    k_norm: torch.Tensor | None = None
+    router: torch.Tensor | None = None  # [E, H] float32 (MoE)
+    units: list = field(default_factory=list)  # per expert: MLPUnit (sparse/oracle, or dense with a custom factory)
+    dense: list = field(default_factory=list)  # per expert: (gate_up Linear [2I, H], down Linear [H, I]) (dense mode)
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, H] in the weight dtype
+    embed_scales: torch.Tensor | None
+    final_norm: torch.Tensor  # [H]
+    lm_head: Linear  # [V, H] (shares the embedding storage when tied)
+    layers: list[LayerWeights]
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] -> float32 [B, T, H]."""
+        rows = self.embed[ids]
+        return kernels.dequantize(rows, None if self.embed_scales is None else self.embed_scales[ids])
+
+    def resident_bytes(self) -> int:
+        """Bytes of all resident weights: non-MLP tensors plus dense MLPs or resident unit bundles."""
+        total = sum(t.numel() * t.element_size() for t in (self.embed, self.embed_scales, self.final_norm) if t is not None)
+        if self.lm_head.weight.data_ptr() != self.embed.data_ptr():
+            total += self.lm_head.nbytes
+        for lw in self.layers:
+            tensors = [lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm, lw.router]
+            total += sum(t.numel() * t.element_size() for t in tensors if t is not None) + lw.qkv.nbytes + lw.o.nbytes
+            total += sum(a.nbytes + b.nbytes for a, b in lw.dense)
+            total += sum(unit_resident_bytes(unit) for unit in lw.units)
+        return total
+
+
+def unit_resident_bytes(unit: MLPUnit) -> int:
+    """A unit's resident bytes: what its stats() reports as `resident_bytes`, else its bundle slots + scales."""
+    reported = unit.stats().get("resident_bytes") if hasattr(unit, "stats") else None
+    if reported is not None:
+        return int(reported)
+    return sum(t.numel() * t.element_size() for t in (unit.bundles, unit.scales) if t is not None)
+
+
+def _linear(reader: WeightReader, names: list[str], threads: int, native: bool) -> Linear:
+    """Several [R_i, K] weights (and their biases, if any) stacked into one Linear."""
+    weight, scales = convert(torch.cat([reader.get(f"{n}.weight") for n in names]), reader.weight_dtype)
+    biases = [f"{n}.bias" for n in names if reader.has(f"{n}.bias")]
+    bias = None
+    if biases:
+        if len(biases) != len(names):
+            raise SparseforgeError(f"only some of {names} have biases; the engine needs all or none")
+        bias = torch.cat([reader.get(b).float() for b in biases])
+    return Linear(weight, scales, bias, threads, native)
+
+
+def _vector(reader: WeightReader, name: str) -> torch.Tensor | None:
+    return reader.get(name).float() if reader.has(name) else None
+
+
+def load_weights(reader: WeightReader, config, mode: str, units: Callable | None, threads: int, native: bool, progress: bool = True) -> ModelWeights:
+    """Read every tensor the engine needs; MLPs as units (sparse/oracle or custom factory) or dense matrices."""
+    from tqdm.auto import tqdm
+
+    experts = int(getattr(config, "num_local_experts", 1) or 1)
+    moe = reader.has("model.layers.0.mlp.gate.weight")
+    embed, embed_scales = convert(reader.get("model.embed_tokens.weight"), reader.weight_dtype)
+    if reader.has("lm_head.weight") and not config.tie_word_embeddings:
+        lm_head = _linear(reader, ["lm_head"], threads, native)
+    else:
+        lm_head = Linear(embed, embed_scales, None, threads, native)
+    layers = []
+    for i in tqdm(range(config.num_hidden_layers), desc="loading weights", unit="layer", disable=not progress):
+        p = f"model.layers.{i}"
+        attn = f"{p}.self_attn"
+        lw = LayerWeights(
+            input_norm=reader.get(f"{p}.input_layernorm.weight").float(),
+            post_norm=reader.get(f"{p}.post_attention_layernorm.weight").float(),
+            qkv=_linear(reader, [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], threads, native),
+            o=_linear(reader, [f"{attn}.o_proj"], threads, native),
+            q_norm=_vector(reader, f"{attn}.q_norm.weight"),
+            k_norm=_vector(reader, f"{attn}.k_norm.weight"),
+            router=reader.get(f"{p}.mlp.gate.weight").float() if moe else None,
+        )
+        for e in range(experts if moe else 1):
+            if mode == "dense" and units is None:
+                gate, up, down = reader.mlp(i, e)
+                gate_up, gu_scales = convert(torch.cat([gate, up]), reader.weight_dtype)
+                down, down_scales = convert(down, reader.weight_dtype)
+                lw.dense.append((Linear(gate_up, gu_scales, None, threads, native), Linear(down, down_scales, None, threads, native)))
+            else:
+                lw.units.append((units or resident_unit)(i, e, reader))
+        layers.append(lw)
+    return ModelWeights(embed, embed_scales, _vector(reader, "model.norm.weight"), lm_head, layers)
+
+
+@dataclass
+class UnitPredictor:
+    """One unit's predictor in the engine's weight dtype: active = fc2(relu(fc1 x)) >= threshold."""
+
+    fc1: tuple  # (weights [rank, H], int8 scales or None)
+    fc2: tuple  # (weights [I, rank], int8 scales or None)
+    threshold: float
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in (self.fc1, self.fc2) for t in pair if t is not None)
+
+
+def load_unit_predictors(ckpt: str | Path, weight_dtype: str) -> dict[tuple[int, int], UnitPredictor | None]:
+    """The checkpoint's predictors per (layer, expert), converted to the weight dtype like every other
+    matrix (float32: exactly the stored ones); None for a unit without one (all neurons active)."""
+    from sparseforge.predictors.store import load_predictors
+
+    predictors = load_predictors(ckpt)
+    out = {}
+    for key, model in predictors.predictors.items():
+        if model is None:
+            out[key] = None
+        else:
+            fc1, fc2 = (convert(m.weight.detach(), weight_dtype) for m in (model.fc1, model.fc2))
+            out[key] = UnitPredictor(fc1, fc2, predictors.thresholds[key])
+    return out

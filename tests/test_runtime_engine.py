@@ -1,0 +1,257 @@
+"""The decode engine against the HF model it reads: dense and oracle logits, greedy tokens, sparse mode
+against the predicted-mask reference, sampling, cache handling and errors. Tiny models of every family."""
+
+import pytest
+import torch
+from tiny import tiny_model, tiny_tokenizer
+
+from sparseforge.checkpoint import save_sparse
+from sparseforge.errors import SparseforgeError
+from sparseforge.predictors.fit import FittedUnit
+from sparseforge.predictors.mask import masked_mlps
+from sparseforge.predictors.model import LowRankPredictor
+from sparseforge.predictors.store import load_predictors, save_predictors
+from sparseforge.runtime import kernels
+from sparseforge.runtime.engine import Engine, GenerationConfig
+from sparseforge.runtime.sampling import filter_logits
+from sparseforge.sparsify.convert import convert_model
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+NATIVE = [True, False] if kernels.native() is not None else [False]
+
+
+def _save(model, out):
+    save_sparse(model, tiny_tokenizer(), out, force=True)
+    return out
+
+
+def _predictors(ckpt, model, zero: bool, seed: int = 0):
+    """Random rank-8 predictors (threshold 0: about half the neurons active) or all-active ones (fc2 = 0, threshold -1)."""
+    cfg = model.config
+    experts = int(getattr(cfg, "num_local_experts", 1) or 1)
+    torch.manual_seed(seed)
+    fitted = []
+    for layer in range(cfg.num_hidden_layers):
+        for e in range(experts):
+            p = LowRankPredictor(cfg.hidden_size, cfg.intermediate_size, 8)
+            if zero:
+                torch.nn.init.zeros_(p.fc2.weight)
+            fitted.append(FittedUnit(layer, e, p, -1.0 if zero else 0.0, {}))
+    save_predictors(ckpt, fitted, {"num_experts": experts, "intermediate_size": cfg.intermediate_size})
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory, one_thread):
+    """family -> (sparse HF model, checkpoint dir with random predictors)."""
+    root = tmp_path_factory.mktemp("engine")
+    out = {}
+    for family in FAMILIES:
+        model = convert_model(tiny_model(family, sliding_window=6) if family == "mistral" else tiny_model(family), "drelu")
+        out[family] = (model, _save(model, root / family))
+        _predictors(out[family][1], model, zero=False)
+    return out
+
+
+def _ids(n=2, t=12, seed=0):
+    return torch.randint(0, 300, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _engine_logits(engine, ids, split):
+    """Prefill ids[:, :split], then one token at a time: logits [B, T, V]."""
+    cache = engine.new_cache(ids.shape[0])
+    parts = [engine.forward(ids[:, :split], cache)] + [engine.forward(ids[:, t : t + 1], cache) for t in range(split, ids.shape[1])]
+    assert cache.length == ids.shape[1]
+    return torch.cat(parts, dim=1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["dense", "oracle"])
+def test_dense_and_oracle_match_hf_prefill_and_decode(ckpts, family, mode):
+    model, ckpt = ckpts[family]
+    ids = _ids(t=10)  # mistral's window of 6 is crossed
+    with torch.no_grad():
+        ref = model(ids).logits
+    for native in NATIVE:
+        engine = Engine.load(ckpt, mode=mode, context=32, progress=False, native=native)
+        torch.testing.assert_close(engine.forward(ids, engine.new_cache(2)), ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(_engine_logits(engine, ids, 3), ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(_engine_logits(engine, ids[1:], 3), ref[1:], atol=2e-5, rtol=1e-4)  # batch 1: the row decoder
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_sparse_matches_the_predicted_mask_row_by_row(ckpts, family):
+    """Prefill (union of rows' neurons, each row masked) and one-token decode both equal the HF model
+    with the predictors' mask applied inside every MLP."""
+    model, ckpt = ckpts[family]
+    ids = _ids(t=9, seed=1)
+    with torch.no_grad(), masked_mlps(model, "predicted", load_predictors(ckpt)):
+        ref = model(ids).logits
+    with torch.no_grad():
+        assert not torch.allclose(model(ids).logits, ref, atol=1e-3)  # the mask changes the output
+    for native in NATIVE:
+        engine = Engine.load(ckpt, mode="sparse", context=32, progress=False, native=native)
+        torch.testing.assert_close(engine.forward(ids, engine.new_cache(2)), ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(_engine_logits(engine, ids, 4), ref, atol=2e-5, rtol=1e-4)
+        stats = engine.stats()
+        assert 0.2 < stats["neurons_computed_fraction"] < 0.8
+        assert stats["neurons_fired_fraction"] <= stats["neurons_computed_fraction"]
+        assert stats["decode_tokens"] == 2 * 5 and stats["prefill_tokens"] == 2 * 9 + 2 * 4
+        torch.testing.assert_close(_engine_logits(engine, ids[:1], 4), ref[:1], atol=2e-5, rtol=1e-4)  # batch 1: the row decoder
+
+
+def test_sparse_with_all_active_predictors_equals_dense(tmp_path, one_thread):
+    model = convert_model(tiny_model("llama"), "drelu")
+    ckpt = _save(model, tmp_path / "ckpt")
+    _predictors(ckpt, model, zero=True)
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(ids).logits
+    engine = Engine.load(ckpt, mode="sparse", context=32, progress=False)
+    torch.testing.assert_close(_engine_logits(engine, ids, 5), ref, atol=2e-5, rtol=1e-4)
+    assert engine.stats()["neurons_computed_fraction"] == 1.0
+
+
+def _hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            tok = int(model(ids).logits[0, -1].argmax())
+            out.append(tok)
+            ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral"])
+def test_oracle_greedy_decode_gives_the_dense_tokens(ckpts, family):
+    model, ckpt = ckpts[family]
+    prompt = _ids(1, 5, seed=2)[0].tolist()
+    engine = Engine.load(ckpt, mode="oracle", context=32, progress=False)
+    tokens = list(engine.generate(prompt, GenerationConfig(max_new_tokens=8, stop_ids=())))
+    assert tokens == _hf_greedy(model, prompt, 8)
+
+
+@pytest.mark.parametrize("dtype,atol", [("bfloat16", 0.15), ("float16", 0.02), ("int8", 0.15)])
+def test_reduced_weight_dtypes_stay_close(ckpts, dtype, atol):
+    model, ckpt = ckpts["llama"]
+    ids = _ids(1, 8)
+    with torch.no_grad():
+        ref = model(ids).logits
+    for native in NATIVE:
+        engine = Engine.load(ckpt, mode="oracle", weight_dtype=dtype, context=16, progress=False, native=native)
+        assert (_engine_logits(engine, ids, 4) - ref).abs().max() < atol
+        assert engine.stats()["resident_weight_bytes"] < Engine.load(ckpt, mode="oracle", context=16, progress=False).stats()["resident_weight_bytes"]
+
+
+def test_seeded_sampling_is_reproducible_and_stop_ids_stop(ckpts):
+    _, ckpt = ckpts["llama"]
+    engine = Engine.load(ckpt, mode="oracle", context=64, progress=False)
+    prompt = [5, 6, 7]
+    cfg = GenerationConfig(max_new_tokens=12, temperature=1.5, seed=123, stop_ids=())
+    first = list(engine.generate(prompt, cfg))
+    assert first == list(engine.generate(prompt, cfg)) and len(first) == 12
+    others = {tuple(engine.generate(prompt, GenerationConfig(max_new_tokens=12, temperature=1.5, seed=s, stop_ids=()))) for s in range(5)}
+    assert len(others) > 1
+    stopped = list(engine.generate(prompt, GenerationConfig(max_new_tokens=12, temperature=1.5, seed=123, stop_ids=(first[3],))))
+    assert stopped == first[: first.index(first[3]) + 1]
+    greedy = list(engine.generate(prompt, GenerationConfig(max_new_tokens=40)))  # default stop ids: EOS (id 0)
+    assert 0 not in greedy[:-1]
+    assert engine.stop_ids() == (0,)
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([3.0, 2.5, 2.0, 0.0, -1.0, -2.0])
+    assert torch.isfinite(filter_logits(logits, 1.0, 3, 1.0)).nonzero().flatten().tolist() == [0, 1, 2]
+    probs = torch.softmax(logits, -1)  # 0.50, 0.30, 0.18, ...: the nucleus of 0.7 is the first two
+    assert probs[0] < 0.7 < probs[:2].sum()
+    assert torch.isfinite(filter_logits(logits, 1.0, 0, 0.7)).nonzero().flatten().tolist() == [0, 1]
+    assert torch.isfinite(filter_logits(logits, 1.0, 0, 0.01)).nonzero().flatten().tolist() == [0]
+    g = torch.Generator().manual_seed(0)
+    from sparseforge.runtime.sampling import sample
+
+    drawn = {sample(logits, GenerationConfig(temperature=2.0, top_k=2), g) for _ in range(200)}
+    assert drawn == {0, 1}
+    with pytest.raises(SparseforgeError, match="top_p"):
+        GenerationConfig(top_p=0.0)
+
+
+def test_cache_fork_and_truncate(ckpts):
+    _, ckpt = ckpts["qwen2"]
+    engine = Engine.load(ckpt, mode="dense", context=32, progress=False)
+    ids = _ids(1, 8, seed=4)
+    ref = engine.forward(ids, engine.new_cache(1))
+    cache = engine.new_cache(1)
+    engine.forward(ids[:, :5], cache)
+    forked = cache.fork(3)
+    out = engine.forward(ids[:, 5:].expand(3, -1), forked)
+    torch.testing.assert_close(out, ref[:, 5:].expand(3, -1, -1), atol=2e-5, rtol=1e-4)
+    engine.forward(torch.tensor([[1, 2]]), cache)
+    cache.truncate(5)
+    torch.testing.assert_close(engine.forward(ids[:, 5:], cache), ref[:, 5:], atol=2e-5, rtol=1e-4)
+    with pytest.raises(SparseforgeError, match="truncate"):
+        cache.truncate(99)
+
+
+def test_context_and_predictor_errors(ckpts, tmp_path):
+    model, ckpt = ckpts["llama"]
+    engine = Engine.load(ckpt, mode="dense", context=8, progress=False)
+    with pytest.raises(SparseforgeError, match="9 tokens, more than the context of 8"):
+        list(engine.generate(list(range(9))))
+    cache = engine.new_cache(1)
+    engine.forward(torch.tensor([[1, 2, 3, 4, 5]]), cache)
+    with pytest.raises(SparseforgeError, match="4 new tokens after 5 cached exceed the context of 8"):
+        engine.forward(torch.tensor([[1, 2, 3, 4]]), cache)
+    assert len(list(engine.generate([1, 2, 3, 4, 5, 6], GenerationConfig(max_new_tokens=10, stop_ids=())))) == 3  # context full
+    bare = _save(model, tmp_path / "bare")
+    with pytest.raises(SparseforgeError, match="sparseforge predictors train"):
+        Engine.load(bare, mode="sparse", progress=False)
+    with pytest.raises(SparseforgeError, match="unknown mode"):
+        Engine.load(bare, mode="fast", progress=False)
+
+
+class _PermutedUnit:
+    """A unit whose slots are a permutation of the neurons, that answers half of each request only after
+    wait(), holds at most 16 neurons per request, and counts its releases: the contract a tiered store keeps."""
+
+    def __init__(self, layer, expert, reader):
+        from sparseforge.runtime.weights import resident_unit
+
+        base = resident_unit(layer, expert, reader)
+        self.layer, self.expert, self.hidden, self.intermediate = layer, expert, base.hidden, base.intermediate
+        self.perm = torch.randperm(base.intermediate, generator=torch.Generator().manual_seed(layer * 10 + expert))
+        self.slot_of = torch.argsort(self.perm)  # neuron -> slot
+        self.bundles, self.scales = base.bundles[self.perm].contiguous(), None
+        self.capacity, self.open, self.released = 16, 0, 0
+
+    def order(self, neurons):
+        return neurons.flip(0)
+
+    def request(self, neurons):
+        from sparseforge.runtime.units import Request
+
+        assert neurons.numel() <= self.capacity and self.open == 0
+        self.open += 1
+        half = neurons.numel() // 2
+        ready, late = neurons[:half], neurons[half:]
+
+        def release():
+            self.open -= 1
+            self.released += 1
+
+        return Request(ready, self.slot_of[ready], _wait=lambda: (late, self.slot_of[late]), _release=release)
+
+    def stats(self):
+        return {"releases": self.released}
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("mode", ["sparse", "oracle", "dense"])
+def test_custom_units_factory_gives_the_resident_result(ckpts, family, mode):
+    _, ckpt = ckpts[family]
+    ids = _ids(1, 7, seed=5)
+    ref = _engine_logits(Engine.load(ckpt, mode=mode, context=16, progress=False), ids, 4)
+    for native in NATIVE:
+        engine = Engine.load(ckpt, mode=mode, context=16, progress=False, units=_PermutedUnit, native=native)
+        torch.testing.assert_close(_engine_logits(engine, ids, 4), ref, atol=2e-5, rtol=1e-4)
+        assert engine.stats()["units"]["releases"] > 0
+        assert all(u.open == 0 for lw in engine.weights.layers for u in lw.units)

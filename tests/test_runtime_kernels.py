@@ -1,0 +1,106 @@
+"""Native kernels (runtime/csrc/sparse_kernels.c) against their PyTorch references, for every weight
+dtype and activation; and the build cache."""
+
+import pytest
+import torch
+
+from sparseforge.runtime import kernels
+from sparseforge.runtime.units import make_bundles, quantize_bundles
+from sparseforge.sparsify.hf_code.modeling_sparseforge import ACTIVATIONS, GatedActivation
+
+pytestmark = pytest.mark.skipif(kernels.native() is None, reason="no C compiler: the native kernels did not build")
+DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
+def _store(w: torch.Tensor, dtype: str):
+    """(weights in `dtype`, scales or None) as the engine stores them."""
+    if dtype == "int8":
+        return quantize_bundles(w)
+    return w.to(getattr(torch, dtype)).contiguous(), None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ACTIVATIONS)
+def test_sparse_mlp_native_equals_torch(dtype, kind):
+    g = torch.Generator().manual_seed(0)
+    inter, hidden = 200, 76  # hidden not a multiple of 8 or 32: the scalar tails run too
+    bundles, scales = _store(make_bundles(*(torch.randn(s, generator=g) for s in [(inter, hidden), (inter, hidden), (hidden, inter)])), dtype)
+    x = torch.randn(hidden, generator=g)
+    slots = torch.randperm(inter, generator=g)[:90]
+    act = GatedActivation(kind, 0.25)
+    y = torch.full((hidden,), 0.5)  # accumulates into what is there
+    counts = torch.zeros(2, dtype=torch.long)
+    kernels.sparse_mlp_native(bundles, scales, slots, x, act, y, 0.7, counts, 2)
+    ref, h = kernels.sparse_mlp_torch(bundles, scales, slots, x[None], act)
+    torch.testing.assert_close(y, 0.5 + 0.7 * ref[0], atol=1e-3, rtol=1e-4)
+    fired = int((h != 0).sum())
+    assert counts[1] == fired and fired <= counts[0] <= 90
+    if kind != "silu":
+        assert 0 < fired < 90  # gate-first skipping was exercised
+
+
+def test_sparse_mlp_torch_applies_the_row_masks():
+    g = torch.Generator().manual_seed(1)
+    bundles = make_bundles(torch.randn(50, 16, generator=g), torch.randn(50, 16, generator=g), torch.randn(16, 50, generator=g))
+    x = torch.randn(3, 16, generator=g)
+    slots = torch.tensor([4, 9, 30])
+    keep = torch.tensor([[True, False, True], [False, False, False], [True, True, True]])
+    y, h = kernels.sparse_mlp_torch(bundles, None, slots, x, GatedActivation("silu"), keep)
+    assert torch.equal(h[1], torch.zeros(3)) and torch.equal(y[1], torch.zeros(16))
+    full, _ = kernels.sparse_mlp_torch(bundles, None, slots[[0, 2]], x[:1], GatedActivation("silu"))
+    torch.testing.assert_close(y[:1], full)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,nx", [(37, 1), (64, 1), (37, 3)])
+def test_matvec_native_equals_torch(dtype, rows, nx):
+    g = torch.Generator().manual_seed(2)
+    w, scales = _store(torch.randn(rows, 100, generator=g), dtype)
+    bias = torch.randn(rows, generator=g)
+    x = torch.randn(nx, 100, generator=g)
+    for b in (None, bias):
+        torch.testing.assert_close(kernels.matvec_native(w, scales, b, x, 2), kernels.matvec_torch(w, scales, b, x), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_predict_native_equals_torch(dtype):
+    g = torch.Generator().manual_seed(3)
+    fc1, fc2 = _store(torch.randn(24, 64, generator=g), dtype), _store(torch.randn(300, 24, generator=g), dtype)
+    x = torch.randn(64, generator=g)
+    scores = kernels.matvec_torch(*fc2, None, torch.relu(kernels.matvec_torch(*fc1, None, x[None])))[0]
+    threshold = float(scores.median())
+    out, scratch = torch.empty(300, dtype=torch.long), torch.empty(24 + 300)
+    ids = kernels.predict_native(fc1, fc2, threshold, x, out, scratch, 2)
+    assert torch.equal(ids, ids.sort().values)
+    clear = ((scores - threshold).abs() > 1e-3).nonzero().flatten().tolist()  # rounding may flip scores at the threshold
+    expected = kernels.predict_torch(fc1, fc2, threshold, x[None])[0]
+    assert {i for i in ids.tolist() if i in set(clear)} == {i for i in clear if expected[i]}
+    assert abs(ids.numel() - 150) <= 2
+
+
+def test_build_is_cached_by_source_hash(tmp_path, monkeypatch):
+    """A fresh cache directory gets exactly one library; loading again reuses it."""
+    monkeypatch.setenv("SPARSEFORGE_KERNEL_CACHE", str(tmp_path))
+    kernels.native.cache_clear()
+    try:
+        lib = kernels.native()
+        assert lib is not None and lib.sf_has_avx2() in (0, 1)
+        built = list(tmp_path.glob("sparse_kernels-*.so"))
+        assert len(built) == 1
+        mtime = built[0].stat().st_mtime_ns
+        kernels.native.cache_clear()
+        kernels.native()
+        assert built[0].stat().st_mtime_ns == mtime
+    finally:
+        monkeypatch.delenv("SPARSEFORGE_KERNEL_CACHE")
+        kernels.native.cache_clear()
+
+
+def test_native_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("SPARSEFORGE_NATIVE", "0")
+    kernels.native.cache_clear()
+    try:
+        assert kernels.native() is None
+    finally:
+        monkeypatch.delenv("SPARSEFORGE_NATIVE")
+        kernels.native.cache_clear()
