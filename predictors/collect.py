@@ -80,6 +80,19 @@ class Reservoir:
         return unpack_bits(self.bits[: self.size], self.width)
 
 
+def subsample(res: Reservoir, rows: int, seed: int = 0) -> Reservoir:
+    """A Reservoir holding a uniform random subset of at most `rows` of res's rows (res itself if it has no more)."""
+    if res.size <= rows:
+        return res
+    keep = torch.randperm(res.size, generator=torch.Generator().manual_seed(seed))[:rows]
+    sub = Reservoir(rows, res.hidden, res.width, res.with_inputs)
+    sub.bits.copy_(res.bits[keep])
+    if res.with_inputs:
+        sub.x.copy_(res.x[keep])
+    sub.seen = rows
+    return sub
+
+
 def mlp_width(model) -> int:
     """Neurons per MLP (per expert for MoE): the intermediate size."""
     return int(model.config.intermediate_size)
