@@ -1,11 +1,21 @@
-"""CLI verbs of the runtime stage: `plan` (placement plans; the engine's verbs come with issue 5)."""
+"""CLI verbs of the runtime stage: `plan` (placement plans), `generate`, `chat` and `serve` (the decode engine)."""
 
 import argparse
+import contextlib
+import sys
+
+from sparseforge.cli_options import check_positive
+from sparseforge.errors import SparseforgeError
 
 DTYPE_CHOICES = ("float32", "float16", "bfloat16", "int8")
 
 
 def register(subparsers) -> None:
+    register_plan(subparsers)
+    register_engine_verbs(subparsers)
+
+
+def register_plan(subparsers) -> None:
     p = subparsers.add_parser(
         "plan",
         help="choose the hot (resident) MLP neurons for a fast-memory budget from the activation profile",
@@ -40,4 +50,173 @@ def plan_command(args) -> int:
     print(f"wrote {write_plan(args.ckpt, plan, args.out)}")
     if args.powerinfer_gpu_index:
         print(f"wrote {write_powerinfer_gpu_index(plan, args.powerinfer_gpu_index)}")
+    return 0
+
+
+# ---------------------------------------------------------------- generate / chat / serve
+
+
+def _engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt", help="a sparse checkpoint (sparse mode needs its predictors: sparseforge predictors train)")
+    p.add_argument("--mode", choices=("sparse", "dense", "oracle"), default="sparse",
+                   help="sparse: compute the neurons the predictors select; dense: every neuron (the baseline); oracle: the exact "
+                   "firing mask (computes the gate/up rows to find it; for parity checks)")  # fmt: skip
+    p.add_argument("--weight-dtype", choices=DTYPE_CHOICES, default="float32", help="weight dtype the engine computes with (int8: weight-only)")
+    p.add_argument("--context", type=int, default=2048, help="tokens of KV cache: prompt + generated tokens must fit")
+    p.add_argument("--fast-memory", metavar="SIZE", default=None,
+                   help="keep only this much resident (as for `sparseforge plan`: 300MB, 1.5GiB, 25%%); hot neurons pinned, cold "
+                   "neurons read from disk through the neuron cache. Default: everything resident")  # fmt: skip
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+
+
+def _sampling_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="most tokens generated per reply")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; otherwise sample from softmax(logits / T)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens only (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens whose probability reaches p")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same tokens)")
+
+
+def register_engine_verbs(subparsers) -> None:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = subparsers.add_parser("generate", help="generate text from a prompt with the sparse decode engine, streamed to stdout",
+                              description="Tokenize --prompt (through the tokenizer's chat template when it has one, unless --raw), "
+                              "prefill it densely, decode with the engine and stream the text to stdout; --stats adds a line of "
+                              "speed and traffic figures on stderr.", formatter_class=fmt)  # fmt: skip
+    _engine_options(p)
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    _sampling_options(p, 128)
+    template = p.add_mutually_exclusive_group()
+    template.add_argument("--chat-template", dest="template", action="store_const", const="chat",
+                          help="wrap the prompt as a user turn in the tokenizer's chat template (default when the tokenizer has one)")  # fmt: skip
+    template.add_argument("--raw", dest="template", action="store_const", const="raw", help="tokenize the prompt as is")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="end the text before this string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens (always generate --max-new-tokens)")
+    p.add_argument("--stats", action="store_true", help="print the engine's prefill/decode speed, neurons and bytes per token to stderr")
+    p.set_defaults(func=generate_command, template=None)
+
+    p = subparsers.add_parser("chat", help="interactive chat in the terminal (the tokenizer's chat template; /reset, Ctrl-D)",
+                              description="Read one user message per line from stdin and stream the reply; the history is kept "
+                              "(the oldest turns are dropped when it outgrows --context). /reset clears it; /exit or end of input ends.",
+                              formatter_class=fmt)  # fmt: skip
+    _engine_options(p)
+    _sampling_options(p, 256)
+    p.add_argument("--system", default=None, help="a system message for every conversation (default: the chat template's own)")
+    p.set_defaults(func=chat_command)
+
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, streaming)",
+                              description="Serve the engine over HTTP on localhost: POST /v1/completions and /v1/chat/completions "
+                              "(stream=true gives server-sent events), GET /v1/models and /health. Concurrent requests queue for the "
+                              "one engine; bad requests get 4xx JSON errors. Ctrl-C stops it.", formatter_class=fmt)  # fmt: skip
+    _engine_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port, printed at start)")
+    p.add_argument("--model-name", default=None, help="the model id reported and echoed (default: the checkpoint folder's name)")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens for requests that do not set it")
+    p.add_argument("--verbose", action="store_true", help="log every request to stderr")
+    p.set_defaults(func=serve_command)
+
+
+def _check_sampling(args) -> None:
+    check_positive(max_new_tokens=args.max_new_tokens)
+    if args.temperature < 0:
+        raise SparseforgeError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise SparseforgeError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise SparseforgeError(f"--top-k must be >= 0 (0 = no limit), got {args.top_k}")
+
+
+@contextlib.contextmanager
+def open_engine(args):
+    """The Engine the options describe; with --fast-memory, its MLP units tiered over disk (runtime/store.py) for a
+    placement plan made now for that budget (the store's reader thread is stopped on exit)."""
+    from sparseforge.runtime.engine import Engine
+
+    check_positive(context=args.context, threads=args.threads)
+    with contextlib.ExitStack() as stack:
+        units = None
+        if args.fast_memory is not None:
+            from sparseforge.runtime.store import tiered_units
+
+            units = stack.enter_context(tiered_units(args.ckpt, args.fast_memory, args.weight_dtype, context=args.context, progress=not args.no_progress))
+        yield Engine.load(args.ckpt, mode=args.mode, weight_dtype=args.weight_dtype, context=args.context, threads=args.threads,
+                          units=units, progress=not args.no_progress)  # fmt: skip
+
+
+def _generation(args, engine, max_new_tokens: int):
+    from sparseforge.runtime.engine import GenerationConfig
+
+    stops = () if getattr(args, "ignore_eos", False) else engine.stop_ids()
+    return GenerationConfig(max_new_tokens=max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            seed=args.seed, stop_ids=stops)  # fmt: skip
+
+
+def format_stats(stats: dict) -> str:
+    """The engine's stats dict as one line: numbers rounded, nested dicts flattened (store.hits=...)."""
+
+    def flat(d: dict, prefix: str = ""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}={v:.4g}" if isinstance(v, float) else f"{prefix}{k}={v}"
+
+    return "stats: " + " ".join(flat(stats))
+
+
+def generate_command(args) -> int:
+    _check_sampling(args)
+    with open_engine(args) as engine:
+        return _generate(args, engine)
+
+
+def _generate(args, engine) -> int:
+    from sparseforge.runtime.chat import chat_prompt_ids, has_chat_template, raw_prompt_ids, stream_text
+
+    tokenizer = engine.tokenizer
+    template = args.template or ("chat" if has_chat_template(tokenizer) else "raw")
+    if template == "chat":
+        ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+    else:
+        ids = raw_prompt_ids(tokenizer, args.prompt)
+    if len(ids) + args.max_new_tokens > engine.context:
+        raise SparseforgeError(f"the prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceed --context "
+                               f"{engine.context}; raise --context or lower --max-new-tokens")  # fmt: skip
+    for piece in stream_text(engine, ids, _generation(args, engine, args.max_new_tokens), args.stop):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if args.stats:
+        print(format_stats(engine.stats()), file=sys.stderr)
+    return 0
+
+
+def chat_command(args) -> int:
+    from sparseforge.runtime.chat import chat_loop
+
+    _check_sampling(args)
+    with open_engine(args) as engine:
+        return chat_loop(engine, _generation(args, engine, args.max_new_tokens), system=args.system)
+
+
+def serve_command(args) -> int:
+    from pathlib import Path
+
+    from sparseforge.runtime.server import make_server
+
+    check_positive(default_max_tokens=args.default_max_tokens)
+    if not 0 <= args.port < 65536:
+        raise SparseforgeError(f"--port must be in [0, 65535], got {args.port}")
+    name = args.model_name or Path(args.ckpt).resolve().name
+    with open_engine(args) as engine:
+        server = make_server(engine, args.host, args.port, name, args.default_max_tokens, args.verbose)
+        host, port = server.server_address[:2]
+        print(f"serving {name} ({args.mode}, {args.weight_dtype}) on http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+        try:
+            server.serve_forever()
+        finally:
+            server.server_close()
     return 0

