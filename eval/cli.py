@@ -1,4 +1,5 @@
-"""CLI verb of the eval stage: `tasks` (write the offline lm-eval task configs)."""
+"""CLI verbs of the eval stage: `tasks` (offline lm-eval task configs), `eval` (accuracy of the original, exact-mask
+and predicted-mask models), `push` (publish on the Hub), `lm-eval-plugin` (make `lm_eval --model sparseforge` work)."""
 
 import argparse
 import json
@@ -7,6 +8,14 @@ from sparseforge.data import DATA_ENV, DEFAULT_DATA_ROOT
 
 
 def register(subparsers) -> None:
+    _register_tasks(subparsers)
+    _register_eval(subparsers)
+    _register_push(subparsers)
+    _register_plugin(subparsers)
+    _register_scorecard(subparsers)
+
+
+def _register_tasks(subparsers) -> None:
     p = subparsers.add_parser(
         "tasks",
         help="write offline lm-eval task configs (sf_piqa, sf_mmlu, ...) for --include_path",
@@ -38,4 +47,143 @@ def tasks_command(args) -> int:
     marker = json.loads((out / MARKER).read_text())
     print(f"wrote {len(marker['files'])} files to {out} (data root {marker['data_root']}): {', '.join(marker['tasks'])}")
     print(f"run: lm_eval --include_path {out} --tasks {marker['tasks'][0]} ...")
+    return 0
+
+
+def _register_eval(subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval",
+        help="accuracy of the dense original, the sparse model with exact masks and with predicted masks (lm-eval)",
+        description="Score three configurations on the same lm-eval documents through the sparseforge adapter: the dense "
+        "model CKPT was converted from (original), CKPT with exact firing masks (oracle) and with the predictors' masks "
+        "(sparse). Prints a Markdown table (value ± stderr, delta vs original ± paired stderr) and writes CKPT/eval.json. "
+        "See docs/eval.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("ckpt", help="a sparse checkpoint (with predictors for the sparse row)")
+    p.add_argument("--tasks", required=True, help="comma-separated tasks: piqa, arc_easy, arc_challenge, hellaswag, winogrande, "
+                   "boolq, lambada_openai, wikitext, mmlu (the sf_ prefix is optional)")  # fmt: skip
+    p.add_argument("--limit", type=int, default=None, help="score only the first N documents of each task (default: all)")
+    p.add_argument("--batch-size", type=int, default=8, help="continuations (or same-length requests) per forward")
+    p.add_argument("--threads", type=int, default=None, help="torch / engine threads (default: torch's choice)")
+    p.add_argument("--configs", default="original,oracle,sparse", help="which rows to score, comma-separated")
+    p.add_argument("--original", default=None, help="model spec of the dense original (default: the one the checkpoint records)")
+    p.add_argument("--backend", choices=("runtime", "hf"), default="runtime",
+                   help="engine for the oracle/sparse rows: the sparse runtime, or transformers with masked MLPs")  # fmt: skip
+    p.add_argument("--context", type=int, default=2048, help="tokens of context (longer requests are left-truncated, as lm-eval does)")
+    p.add_argument("--data-root", default=None, help=f"data folder holding eval/ (default: ${DATA_ENV}, else {DEFAULT_DATA_ROOT})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=eval_command)
+
+
+def eval_command(args) -> int:
+    from sparseforge.eval.report import markdown, run_eval
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+    report = run_eval(
+        args.ckpt, tasks, limit=args.limit, batch_size=args.batch_size, threads=args.threads, original=args.original,
+        configs=configs, backend=args.backend, data_root=args.data_root, context=args.context, progress=not args.no_progress,
+    )  # fmt: skip
+    print(markdown(report))
+    print(f"wrote {args.ckpt}/eval.json")
+    return 0
+
+
+def _register_push(subparsers) -> None:
+    p = subparsers.add_parser(
+        "push",
+        help="upload a sparse checkpoint to the Hugging Face Hub (after a clean-interpreter load check)",
+        description="Check that CKPT loads with plain transformers (trust_remote_code) in a clean interpreter, regenerate "
+        "its model card (README.md: how to load it with a pinned revision, how to run it with sparseforge, accuracy, "
+        "sparsity, predictors), and upload the folder with huggingface_hub. The token comes from HF_TOKEN or "
+        "`hf auth login`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("ckpt", help="the checkpoint directory to upload")
+    p.add_argument("--repo-id", required=True, help="Hub repository, ORG/NAME (created if missing)")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--revision", default=None, help="branch to push to (created if missing; default main)")
+    p.add_argument("--dry-run", action="store_true", help="check and list the files and sizes that would be uploaded, then stop")
+    p.add_argument("--skip-load-check", action="store_true", help="do not load the checkpoint in a clean interpreter first")
+    p.set_defaults(func=push_command)
+
+
+def push_command(args) -> int:
+    from sparseforge.eval.push import check_loads, format_plan, hub_token, plan_push, push
+
+    plan = plan_push(args.ckpt, args.repo_id, args.revision)
+    if not args.dry_run:
+        hub_token()  # a missing token fails before the slow load check
+    if not args.skip_load_check:
+        info = check_loads(args.ckpt)
+        print(f"clean load ok: {info['class']} ({info['module']})")
+    print(format_plan(plan))
+    if args.dry_run:
+        print("dry run: nothing uploaded")
+        return 0
+    print(f"uploaded: {push(args.ckpt, plan, private=args.private)}")
+    return 0
+
+
+def _register_plugin(subparsers) -> None:
+    p = subparsers.add_parser(
+        "lm-eval-plugin",
+        help="make `lm_eval --model sparseforge` work (lm-eval 0.4.13 has no plugin discovery)",
+        description="Write (or remove) a one-line .pth file in this interpreter's site-packages that registers the "
+        "sparseforge model with lm-eval whenever lm-eval loads its models. Without it, run "
+        "`python -m sparseforge.eval.lm_eval_plugin ARGS` instead of `lm_eval ARGS`.",
+    )
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--install", action="store_true", help="write the .pth file")
+    g.add_argument("--uninstall", action="store_true", help="remove the .pth file")
+    p.set_defaults(func=plugin_command)
+
+
+def plugin_command(args) -> int:
+    from sparseforge.checkpoint import atomic_write_text
+    from sparseforge.eval.lm_eval_plugin import pth_line, pth_path
+
+    path = pth_path()
+    if args.install:
+        atomic_write_text(path, pth_line())
+        path.chmod(0o644)
+    elif args.uninstall:
+        path.unlink(missing_ok=True)
+    print(f"{path}: {'installed' if path.is_file() else 'not installed'}")
+    return 0
+
+
+def _register_scorecard(subparsers) -> None:
+    p = subparsers.add_parser(
+        "scorecard",
+        help="accuracy (eval.json) and runtime speed side by side -> scorecard.json, Markdown, PNG plots, model card",
+        description="Time the runtime's engine modes side by side in one process (alternating, medians): prefill and "
+        "decode tokens/s, bytes touched per decode token, neurons computed, resident weight bytes, peak RSS. Combine "
+        "them with CKPT/eval.json, sparsity.json and predictors.json into CKPT/scorecard.json, print Markdown, plot "
+        "scorecard_sparsity.png and scorecard_accuracy_speed.png, and regenerate CKPT/README.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("ckpt", help="a sparse checkpoint with predictors (run `sparseforge eval` first for the accuracy rows)")
+    p.add_argument("--modes", default="dense,sparse", help="engine modes to time, comma-separated (dense, oracle, sparse)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for prefill (real pretraining text)")
+    p.add_argument("--decode-tokens", type=int, default=32, help="greedy decode steps per repetition")
+    p.add_argument("--repeats", type=int, default=3, help="timed repetitions per mode (after one warm-up), medians reported")
+    p.add_argument("--threads", type=int, default=1, help="engine threads")
+    p.add_argument("--context", type=int, default=512, help="KV-cache positions")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=scorecard_command)
+
+
+def scorecard_command(args) -> int:
+    from sparseforge.errors import SparseforgeError
+    from sparseforge.eval.scorecard import SpeedSettings, make_scorecard, markdown
+
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    if args.repeats < 1 or args.decode_tokens < 1 or args.prompt_tokens < 2:
+        raise SparseforgeError("--repeats and --decode-tokens must be >= 1 and --prompt-tokens >= 2")
+    settings = SpeedSettings(modes, args.prompt_tokens, args.decode_tokens, args.repeats, args.threads, args.context)
+    scorecard = make_scorecard(args.ckpt, settings, progress=not args.no_progress)
+    print(markdown(scorecard))
+    print(f"wrote {args.ckpt}/scorecard.json, {', '.join(scorecard['plots']) or 'no plots'}, README.md")
     return 0

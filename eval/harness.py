@@ -2,8 +2,8 @@
 
 The groundwork of the eval stage that needs no sparse runtime: lm-eval's stock `hf` backend (HFLM) wraps
 an in-memory transformers model, so a model from `sparseforge.sources.load_model` (GGUF, HF directory or
-sparse checkpoint) is scored without writing it out first. The future `--model sparseforge` adapter is
-pinned to exactly this path by its parity test. lm-eval is imported here, lazily (extra `sparseforge[eval]`).
+sparse checkpoint) is scored without writing it out first. The `sparseforge` lm-eval model (adapter.py) is
+pinned to this backend by its parity test (tests/test_eval_adapter.py). lm-eval is imported here, lazily (extra `sparseforge[eval]`).
 """
 
 import time
@@ -44,9 +44,11 @@ def hf_lm(model, tokenizer, batch_size: int = 8, max_length: int | None = None):
     return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
 
 
-def run_tasks(lm, tasks: list[str], task_dir: str | Path, limit: int | None = None, num_fewshot: int | None = None) -> dict:
+def run_tasks(
+    lm, tasks: list[str], task_dir: str | Path, limit: int | None = None, num_fewshot: int | None = None, log_samples: bool = False
+) -> dict:
     """simple_evaluate `tasks` (offline names, e.g. sf_piqa) from `task_dir`; returns lm-eval's results dict
-    with an added "wall_seconds"."""
+    with an added "wall_seconds" (and, with log_samples, lm-eval's per-document "samples" by task)."""
     lm_eval = _lm_eval()
     from lm_eval.tasks import TaskManager
 
@@ -59,7 +61,7 @@ def run_tasks(lm, tasks: list[str], task_dir: str | Path, limit: int | None = No
         )
     start = time.perf_counter()
     results = lm_eval.simple_evaluate(
-        model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot, log_samples=False
+        model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot, log_samples=log_samples
     )
     results["wall_seconds"] = time.perf_counter() - start
     return results

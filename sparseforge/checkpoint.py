@@ -83,8 +83,9 @@ def sparsity_settings(config) -> dict:
     return s
 
 
-def sparse_config(base_config, activation: str, thresholds: list[float] | None):
-    """The sparse config of a dense base config: same fields, sparse model_type, `sparsity`, `auto_map`."""
+def sparse_config(base_config, activation: str, thresholds: list[float] | None, source: str | None = None):
+    """The sparse config of a dense base config: same fields, sparse model_type, `sparsity`, `auto_map`.
+    source: the dense model spec it was converted from (recorded so eval can score the original)."""
     family = family_for(base_config.model_type)
     config_cls, model_cls = family.classes()
     fields = {k: v for k, v in base_config.to_dict().items() if not k.startswith("_")}
@@ -96,6 +97,8 @@ def sparse_config(base_config, activation: str, thresholds: list[float] | None):
         "thresholds": thresholds,
         "base_model_type": family.base_model_type,
     }
+    if source is not None:
+        sparsity["source"] = source
     config = config_cls(**fields, sparsity=sparsity)
     config.architectures = [model_cls.__name__]
     config.auto_map = {

@@ -57,7 +57,7 @@ def convert_command(args) -> int:
         raise SparseforgeError(f"output {args.out!r} already exists; choose another --out or pass --force to replace it")
     model, tokenizer, source = load_model(args.model, dtype=args.dtype)
     thresholds = parse_thresholds(args.threshold, args.activation, model.config.num_hidden_layers)
-    sparse = convert_model(model, args.activation, thresholds)
+    sparse = convert_model(model, args.activation, thresholds, source=args.model)
     save_sparse(sparse, tokenizer, args.out, force=args.force, card=model_card(args.model, sparse.config))
     params = sum(p.numel() for p in sparse.parameters())
     print(

@@ -33,18 +33,19 @@ def parse_thresholds(value: str | None, activation: str, num_layers: int) -> lis
     return values
 
 
-def convert_model(model, activation: str, thresholds: list[float] | None = None):
+def convert_model(model, activation: str, thresholds: list[float] | None = None, source: str | None = None):
     """Dense HF causal LM -> sparseforge sparse model sharing the same tensors (no copy).
 
     The sparse model is built on the meta device and takes the original's parameters and buffers by
-    name, so conversion costs no extra weight memory and fails loudly if any key differs.
+    name, so conversion costs no extra weight memory and fails loudly if any key differs. `source` (the
+    dense model spec) is recorded in config.sparsity["source"].
     """
     if activation not in ACTIVATIONS:
         raise SparseforgeError(f"unknown --activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
     if is_sparse(model.config):
         raise SparseforgeError("the model is already a sparseforge sparse model; convert its dense original instead")
     family = family_for(model.config.model_type)
-    config = sparse_config(model.config, activation, thresholds)
+    config = sparse_config(model.config, activation, thresholds, source)
     _, model_cls = family.classes()
     with torch.device("meta"):
         sparse = model_cls(config)
@@ -64,9 +65,11 @@ def convert_model(model, activation: str, thresholds: list[float] | None = None)
     return sparse.eval()
 
 
-def model_card(source: str, config) -> str:
+def model_card(source: str, config, trained: bool = False) -> str:
     """A short model card; the scorecard stage replaces it with a fuller one."""
     s = config.sparsity
+    history = ("Continued pretraining after conversion (sparseforge train) recovered accuracy; the run's recipe and\nmetrics are in its output directory."
+               if trained else "Not trained after conversion: quality is that of the converted weights.")
     return f"""---
 library_name: transformers
 tags: [sparseforge, activation-sparsity, {s['activation']}]
@@ -75,7 +78,7 @@ tags: [sparseforge, activation-sparsity, {s['activation']}]
 
 Converted by sparseforge: the SwiGLU MLPs of this `{s['base_model_type']}` model use the
 `{s['activation']}` activation; weights and key names are those of the base architecture.
-Not trained after conversion: quality is that of the converted weights.
+{history}
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -53,6 +53,8 @@ def test_pipeline_end_to_end_skip_and_resume(workspace, tmp_path, one_thread, ca
     # the checkpoint contract: a loadable sparse checkpoint plus every stage's artifact
     cfg = json.loads((ckpt / "config.json").read_text())
     assert cfg["sparsity"]["activation"] == "drelu" and "auto_map" in cfg
+    assert cfg["sparsity"]["source"] == str(workspace / "dense")  # the original, recorded at convert and kept by train
+    assert "Continued pretraining after conversion" in (ckpt / "README.md").read_text()
     for name in ("model.safetensors", "tokenizer.json", "configuration_sparseforge.py", "modeling_sparseforge.py",
                  "profile.safetensors", "predictors.safetensors", "README.md"):
         assert (ckpt / name).is_file(), name

@@ -44,7 +44,7 @@ def _models(r: Recipe):
         return model, tokenizer, teacher
     teacher = load_model(r.teacher, dtype="float32")[0] if r.teacher else (copy.deepcopy(model) if needs_teacher else None)
     thresholds = [r.threshold] * model.config.num_hidden_layers if r.threshold is not None else None
-    return convert_model(model, r.activation, thresholds), tokenizer, teacher
+    return convert_model(model, r.activation, thresholds, source=r.model), tokenizer, teacher
 
 
 class MetricsLog:
@@ -275,7 +275,8 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     if main:
         unwrapped = accelerator.unwrap_model(model)
         unwrapped.load_state_dict(state)
-        save_sparse(unwrapped, tokenizer, checkpoint, force=True, card=model_card(r.model, unwrapped.config))
+        source = unwrapped.config.sparsity.get("source", r.model)  # the dense original, also when training a converted checkpoint
+        save_sparse(unwrapped, tokenizer, checkpoint, force=True, card=model_card(source, unwrapped.config, trained=True))
     accelerator.wait_for_everyone()
     if r.report_to:
         accelerator.end_training()

@@ -1,0 +1,216 @@
+"""`sparseforge eval`: accuracy of the dense original, the sparse model with exact masks and with predicted masks.
+
+Three configurations score the same lm-eval documents (offline `sf_*` tasks, same `--limit`):
+
+    original   the dense model the checkpoint was converted from (HFEngine, mode dense)
+    oracle     the sparse checkpoint, every MLP with its exact firing mask (engine mode "oracle")
+    sparse     the sparse checkpoint, every MLP with the predictors' mask (engine mode "sparse"; misses count)
+
+All three go through the same `SparseforgeLM` adapter (prefix reuse, batching), so they differ only in
+the model and the mask. Per task and metric the report gives value ± lm-eval's standard error and, for
+metrics that are means of per-document scores (acc, acc_norm), the delta vs the original on the same
+documents with a paired standard error: d_i = score_i(config) - score_i(original), se = sd(d) / sqrt(n).
+The average row is the mean over tasks of each task's first metric; its delta's se combines the tasks'
+paired ses as independent (sqrt(sum se^2) / k). Written to CKPT/eval.json (format_version 1).
+"""
+
+import json
+import math
+import re
+import tempfile
+import time
+from pathlib import Path
+
+from sparseforge.checkpoint import read_artifact, write_artifact
+from sparseforge.errors import SparseforgeError
+
+EVAL_FORMAT_VERSION = 1
+CONFIGS = ("original", "oracle", "sparse")
+_CARD_SOURCE = re.compile(r"^# \S+ conversion of `([^`]+)`", re.MULTILINE)  # sparsify.convert.model_card's title
+
+
+def recorded_source(ckpt: str | Path) -> str:
+    """The model spec the checkpoint was converted from: config.json sparsity.source if present, else the
+    title convert writes into the model card ("# drelu conversion of `smollm2-135m`")."""
+    ckpt = Path(ckpt)
+    sparsity = json.loads((ckpt / "config.json").read_text()).get("sparsity") or {}
+    if sparsity.get("source"):
+        return sparsity["source"]
+    card = ckpt / "README.md"
+    match = _CARD_SOURCE.search(card.read_text()) if card.is_file() else None
+    if match is None:
+        raise SparseforgeError(f"{ckpt} does not record the model it was converted from; pass --original SPEC (e.g. smollm2-135m)")
+    return match.group(1)
+
+
+def _leaves(task: str, groups: dict) -> list[str]:
+    if task not in groups:
+        return [task]
+    return [leaf for sub in groups[task] for leaf in _leaves(sub, groups)]
+
+
+def per_document(results: dict, task: str) -> dict[str, dict[tuple[str, int], float]]:
+    """metric -> {(subtask, doc_id): score} for the numeric per-document scores of `task` (or its subtasks)."""
+    out: dict[str, dict] = {}
+    for leaf in _leaves(task, results.get("group_subtasks", {})):
+        for sample in results["samples"].get(leaf, []):
+            for metric in sample.get("metrics", []):
+                value = sample.get(metric)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    out.setdefault(metric, {})[(leaf, sample["doc_id"])] = float(value)
+    return out
+
+
+def paired_delta(ours: dict, base: dict) -> dict | None:
+    """Mean difference over the documents both scored, with its paired standard error."""
+    keys = sorted(set(ours) & set(base))
+    if len(keys) < 2:
+        return None
+    d = [ours[k] - base[k] for k in keys]
+    mean = sum(d) / len(d)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1))
+    return {"delta": mean, "stderr": sd / math.sqrt(len(d)), "n": len(d)}
+
+
+def _metric_rows(results: dict, task: str) -> list[dict]:
+    """[{metric, value, stderr, n, is_mean}] of one task from lm-eval's aggregated results."""
+    metrics = results["results"].get(task, {})
+    docs = per_document(results, task)
+    rows = []
+    for key, value in metrics.items():
+        metric, _, filt = key.partition(",")
+        if not filt or metric.endswith("_stderr") or not isinstance(value, (int, float)):
+            continue
+        stderr = metrics.get(f"{metric}_stderr,{filt}")
+        scores = docs.get(metric, {})
+        is_mean = bool(scores) and abs(sum(scores.values()) / len(scores) - value) < 1e-9
+        stderr = float(stderr) if isinstance(stderr, (int, float)) else None
+        rows.append({"metric": metric, "value": float(value), "stderr": stderr, "n": len(scores), "is_mean": is_mean})
+    return rows
+
+
+def build_report(per_config: dict[str, dict], tasks: list[str]) -> dict:
+    """eval.json's rows and average from lm-eval results (with samples) of each configuration."""
+    rows = []
+    for task in tasks:
+        base_docs = per_document(per_config["original"], task) if "original" in per_config else {}
+        by_metric: dict[str, dict] = {}
+        for config, results in per_config.items():
+            docs = per_document(results, task)
+            for r in _metric_rows(results, task):
+                row = by_metric.setdefault(r["metric"], {"task": task, "metric": r["metric"], "n": r["n"], "values": {}, "deltas": {}})
+                row["values"][config] = {"value": r["value"], "stderr": r["stderr"]}
+                if config != "original" and r["is_mean"] and r["metric"] in base_docs:
+                    row["deltas"][config] = paired_delta(docs[r["metric"]], base_docs[r["metric"]])
+        rows.extend(by_metric.values())
+    return {"rows": rows, "average": _average(rows, list(per_config))}
+
+
+def _average(rows: list[dict], configs: list[str]) -> dict:
+    firsts = {}
+    for row in rows:
+        firsts.setdefault(row["task"], row)
+    picked = list(firsts.values())
+    if not picked:
+        return {}
+    out = {"metrics": [f"{r['task']}:{r['metric']}" for r in picked], "values": {}, "deltas": {}}
+    for config in configs:
+        values = [r["values"].get(config, {}).get("value") for r in picked]
+        if all(v is not None for v in values):
+            out["values"][config] = sum(values) / len(values)
+        deltas = [r["deltas"].get(config) for r in picked]
+        if config != "original" and deltas and all(d is not None for d in deltas):
+            k = len(deltas)
+            out["deltas"][config] = {"delta": sum(d["delta"] for d in deltas) / k, "stderr": math.sqrt(sum(d["stderr"] ** 2 for d in deltas)) / k}
+    return out
+
+
+def _cell(value: dict | None, delta: dict | None) -> str:
+    if value is None:
+        return "-"
+    text = f"{value['value']:.4f}" + (f" ± {value['stderr']:.4f}" if value.get("stderr") is not None else "")
+    if delta:
+        text += f" ({delta['delta']:+.4f} ± {delta['stderr']:.4f})"
+    return text
+
+
+def markdown(report: dict) -> str:
+    """The report as a Markdown table: value ± stderr, and (delta vs original ± paired stderr)."""
+    configs = [c for c in CONFIGS if c in report["configs"]]
+    lines = ["| task | metric | n | " + " | ".join(configs) + " |", "| --- | --- | ---: | " + " | ".join("---:" for _ in configs) + " |"]
+    for row in report["rows"]:
+        cells = [_cell(row["values"].get(c), row["deltas"].get(c)) for c in configs]
+        lines.append(f"| {row['task']} | {row['metric']} | {row['n']} | " + " | ".join(cells) + " |")
+    avg = report["average"]
+    if avg:
+        cells = []
+        for c in configs:
+            v, d = avg["values"].get(c), avg["deltas"].get(c)
+            cells.append("-" if v is None else f"{v:.4f}" + (f" ({d['delta']:+.4f} ± {d['stderr']:.4f})" if d else ""))
+        lines.append("| **average** | first metric | | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_eval(
+    ckpt: str | Path,
+    tasks: list[str],
+    limit: int | None = None,
+    batch_size: int = 8,
+    threads: int | None = None,
+    original: str | None = None,
+    configs: tuple[str, ...] = CONFIGS,
+    backend: str = "runtime",
+    data_root: str | None = None,
+    context: int = 2048,
+    progress: bool = True,
+    log=print,
+) -> dict:
+    """Score `configs` of `ckpt` on the offline `tasks` and write CKPT/eval.json; returns the report."""
+    from sparseforge.eval.adapter import SparseforgeLM, load_engine
+    from sparseforge.eval.harness import run_tasks
+    from sparseforge.eval.hf_engine import HFEngine
+    from sparseforge.eval.tasks import local_name, write_task_dir
+
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or not configs:
+        raise SparseforgeError(f"unknown configuration(s) {unknown or configs}; choose from {', '.join(CONFIGS)}")
+    if "sparse" in configs and not (Path(ckpt) / "predictors.json").is_file():
+        raise SparseforgeError(f"{ckpt} has no predictors.json for the 'sparse' row; run `sparseforge predictors train {ckpt}` or pass --configs original,oracle")
+    names = [local_name(t) for t in tasks]
+    original = original or (recorded_source(ckpt) if "original" in configs else None)
+    per_config, runs = {}, {}
+    with tempfile.TemporaryDirectory(prefix="sparseforge-tasks-") as tmp:
+        task_dir = write_task_dir(data_root, tmp, names)
+        for k, config in enumerate(configs, 1):
+            log(f"[{k}/{len(configs)}] {config}: loading {original if config == 'original' else ckpt}")
+            start = time.perf_counter()
+            if config == "original":
+                if threads:
+                    import torch
+
+                    torch.set_num_threads(threads)
+                engine = HFEngine.load(original, mode="dense", context=context)
+            else:
+                engine = load_engine(str(ckpt), config, backend, "float32", context, threads, progress)
+            lm = SparseforgeLM(engine=engine, batch_size=batch_size, progress=progress)
+            results = run_tasks(lm, names, task_dir, limit=limit, log_samples=True)
+            per_config[config] = results
+            runs[config] = {
+                "model": original if config == "original" else str(ckpt),
+                "engine": engine.stats(),
+                "wall_seconds": time.perf_counter() - start,
+                "forward_seconds": lm.timing["seconds"],
+                "forward_tokens": lm.timing["forward_tokens"],
+            }
+            spent = sum(r["wall_seconds"] for r in runs.values())
+            eta = f"; the {len(configs) - k} remaining row(s) at this pace: ~{spent / k * (len(configs) - k):.0f} s" if k < len(configs) else ""
+            log(f"[{k}/{len(configs)}] {config}: {runs[config]['wall_seconds']:.0f} s, {lm.timing['forward_tokens']} tokens through the model{eta}")
+            del engine, lm
+    report = {"tasks": names, "limit": limit, "original": original, "configs": runs, **build_report(per_config, names)}
+    write_artifact(ckpt, "eval", report, EVAL_FORMAT_VERSION)
+    return {"format_version": EVAL_FORMAT_VERSION, **report}
+
+
+def read_eval(ckpt: str | Path) -> dict | None:
+    """CKPT/eval.json if present."""
+    return read_artifact(ckpt, "eval", EVAL_FORMAT_VERSION) if (Path(ckpt) / "eval.json").is_file() else None

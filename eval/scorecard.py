@@ -1,0 +1,224 @@
+"""`sparseforge scorecard`: accuracy and speed of a sparse checkpoint side by side, plus sparsity and predictor
+statistics, as CKPT/scorecard.json (format_version 1), a Markdown table, two PNG plots and the model card.
+
+Speed is measured in one process, engine modes alternating in every repetition (DESIGN.md: ratios from one
+run, medians): for each mode a prompt of `prompt_tokens` real text tokens is prefilled into a fresh cache,
+then `decode_tokens` greedy single-token steps follow. Per mode: median prefill and decode tokens/s, the
+engine's own counters (bytes touched per decode token, fraction of neurons computed, resident weight bytes)
+and the process's peak-RSS growth while that engine loaded. Accuracy comes from CKPT/eval.json
+(`sparseforge eval`); the "original" row is paired with the dense mode's speed (same architecture, every
+neuron), "oracle" with oracle, "sparse" with sparse.
+"""
+
+import os
+import resource
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from sparseforge.checkpoint import atomic_write_text, write_artifact
+from sparseforge.errors import SparseforgeError
+
+SCORECARD_FORMAT_VERSION = 1
+ACCURACY_TO_MODE = {"original": "dense", "oracle": "oracle", "sparse": "sparse"}
+
+
+@dataclass(frozen=True)
+class SpeedSettings:
+    modes: tuple[str, ...] = ("dense", "sparse")
+    prompt_tokens: int = 128
+    decode_tokens: int = 32
+    repeats: int = 3
+    threads: int | None = 1
+    context: int = 512
+
+
+def prompt_ids(tokenizer, n: int) -> list[int]:
+    """The first n tokens of the pretraining text under the data root (the text predictors were trained on)."""
+    from sparseforge.data import default_pretrain_glob, expand, interleave_documents, pack_tokens
+
+    window = next(pack_tokens(interleave_documents(expand(default_pretrain_glob())), tokenizer, n), None)
+    if window is None:
+        raise SparseforgeError(f"the pretraining data holds fewer than {n} tokens; lower --prompt-tokens")
+    return window
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _one_run(engine, ids: torch.Tensor, decode_tokens: int) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s) of one prefill + greedy decode from a fresh cache."""
+    cache = engine.new_cache(1)
+    start = time.perf_counter()
+    logits = engine.forward(ids, cache, last_only=True)[0, -1]
+    prefilled = time.perf_counter()
+    for _ in range(decode_tokens):
+        logits = engine.forward(logits.argmax().view(1, 1), cache)[0, -1]
+    done = time.perf_counter()
+    return ids.shape[1] / (prefilled - start), decode_tokens / (done - prefilled)
+
+
+def measure_speed(ckpt: str | Path, settings: SpeedSettings, progress: bool = True, log=print) -> dict:
+    """Side-by-side prefill/decode speed of the engine modes (module docstring)."""
+    from sparseforge.runtime.engine import Engine
+
+    if settings.prompt_tokens + settings.decode_tokens > settings.context:
+        raise SparseforgeError(f"--prompt-tokens + --decode-tokens ({settings.prompt_tokens + settings.decode_tokens}) exceed --context {settings.context}")
+    engines, load_rss = {}, {}
+    for mode in settings.modes:
+        before = _peak_rss_bytes()
+        engines[mode] = Engine.load(ckpt, mode=mode, context=settings.context, threads=settings.threads, progress=progress)
+        load_rss[mode] = _peak_rss_bytes() - before
+    ids = torch.tensor([prompt_ids(engines[settings.modes[0]].tokenizer, settings.prompt_tokens)])
+    runs = {m: {"prefill": [], "decode": []} for m in settings.modes}
+    for rep in range(settings.repeats + 1):  # repetition 0 warms up (first-touch of weights, allocator) and is dropped
+        order = settings.modes if rep % 2 == 0 else tuple(reversed(settings.modes))
+        for mode in order:
+            engines[mode].reset_stats()
+            prefill, decode = _one_run(engines[mode], ids, settings.decode_tokens)
+            if rep:
+                runs[mode]["prefill"].append(prefill)
+                runs[mode]["decode"].append(decode)
+        if rep:
+            log(f"repetition {rep}/{settings.repeats}: " + ", ".join(f"{m} decode {runs[m]['decode'][-1]:.1f} tok/s" for m in settings.modes))
+    out = {"settings": asdict(settings), "peak_rss_bytes": _peak_rss_bytes(), "modes": {}}
+    for mode, engine in engines.items():
+        stats = engine.stats()
+        out["modes"][mode] = {
+            "prefill_tokens_per_second": statistics.median(runs[mode]["prefill"]),
+            "decode_tokens_per_second": statistics.median(runs[mode]["decode"]),
+            "prefill_runs": runs[mode]["prefill"],
+            "decode_runs": runs[mode]["decode"],
+            "load_peak_rss_growth_bytes": load_rss[mode],
+            **{k: stats.get(k) for k in ("bytes_touched_per_decode_token", "resident_weight_bytes", "neurons_computed_fraction", "neurons_fired_fraction")},
+        }
+    if "dense" in out["modes"]:
+        dense = out["modes"]["dense"]
+        for m in out["modes"].values():
+            m["decode_speedup_vs_dense"] = m["decode_tokens_per_second"] / dense["decode_tokens_per_second"]
+            m["prefill_speedup_vs_dense"] = m["prefill_tokens_per_second"] / dense["prefill_tokens_per_second"]
+    return out
+
+
+def _read(ckpt: Path, name: str) -> dict | None:
+    from sparseforge.checkpoint import read_artifact
+
+    return read_artifact(ckpt, name, 1) if (ckpt / f"{name}.json").is_file() else None
+
+
+def _strip(artifact: dict | None) -> dict | None:
+    return None if artifact is None else {k: v for k, v in artifact.items() if k != "format_version"}
+
+
+def points(scorecard: dict) -> list[dict]:
+    """(configuration, average accuracy, decode tok/s) for every accuracy row whose engine mode was timed."""
+    acc = (scorecard.get("accuracy") or {}).get("average", {}).get("values", {})
+    modes = scorecard["speed"]["modes"]
+    return [
+        {"config": c, "mode": ACCURACY_TO_MODE[c], "accuracy": acc[c], "decode_tokens_per_second": modes[ACCURACY_TO_MODE[c]]["decode_tokens_per_second"]}
+        for c in ACCURACY_TO_MODE
+        if c in acc and ACCURACY_TO_MODE[c] in modes
+    ]
+
+
+def _save_png(fig, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def plot(ckpt: Path, scorecard: dict) -> list[Path]:
+    """scorecard_sparsity.png (per-layer zero fraction and predicted-active fraction) and
+    scorecard_accuracy_speed.png (average accuracy vs decode tok/s per configuration)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    sparsity, predictors = scorecard.get("sparsity"), scorecard.get("predictors")
+    if sparsity:
+        fig, ax = plt.subplots(figsize=(8, 3.2))
+        layers = [r["layer"] for r in sparsity["layers"]]
+        ax.bar(layers, [r["zero_fraction"] for r in sparsity["layers"]], label="activations exactly zero")
+        if predictors and all(u.get("predicted_fraction") is not None for u in predictors["units"]):
+            ax.plot(layers, [1 - u["predicted_fraction"] for u in predictors["units"]], "k.-", label="neurons skipped by predictors")
+        ax.set(xlabel="layer", ylabel="fraction", ylim=(0, 1), title="Per-layer sparsity")
+        ax.legend(loc="lower right")
+        _save_png(fig, ckpt / "scorecard_sparsity.png")
+        plt.close(fig)
+        written.append(ckpt / "scorecard_sparsity.png")
+    pts = points(scorecard)
+    if pts:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for p in pts:
+            ax.scatter(p["decode_tokens_per_second"], p["accuracy"])
+            ax.annotate(f"{p['config']} ({p['mode']})", (p["decode_tokens_per_second"], p["accuracy"]), textcoords="offset points", xytext=(5, 5))
+        ax.set(xlabel="decode tokens/s (median, 1 stream)", ylabel="average accuracy", title="Accuracy vs speed")
+        _save_png(fig, ckpt / "scorecard_accuracy_speed.png")
+        plt.close(fig)
+        written.append(ckpt / "scorecard_accuracy_speed.png")
+    return written
+
+
+def speed_markdown(speed: dict) -> str:
+    """| mode | prefill tok/s | decode tok/s | x dense | bytes/token | neurons computed | resident weights |"""
+    lines = ["| engine mode | prefill tok/s | decode tok/s | decode vs dense | bytes touched / decode token | neurons computed | resident weight bytes |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for mode, m in speed["modes"].items():
+        frac = m.get("neurons_computed_fraction")
+        bpt = m.get("bytes_touched_per_decode_token")
+        lines.append(
+            f"| {mode} | {m['prefill_tokens_per_second']:.1f} | {m['decode_tokens_per_second']:.1f} | "
+            f"{m.get('decode_speedup_vs_dense', float('nan')):.2f}x | {'-' if bpt is None else f'{bpt / 1e6:.1f} MB'} | "
+            f"{'-' if frac is None else f'{100 * frac:.1f} %'} | {m['resident_weight_bytes'] / 1e6:.1f} MB |"
+        )
+    s = speed["settings"]
+    lines.append(f"\nPrompt {s['prompt_tokens']} tokens, {s['decode_tokens']} greedy decode steps, median of {s['repeats']} alternating "
+                 f"repetitions, {s['threads']} thread(s); process peak RSS {speed['peak_rss_bytes'] / 1e9:.2f} GB.")  # fmt: skip
+    return "\n".join(lines)
+
+
+def markdown(scorecard: dict) -> str:
+    from sparseforge.eval.report import markdown as accuracy_markdown
+
+    parts = []
+    if scorecard.get("accuracy"):
+        parts += ["### Accuracy", accuracy_markdown(scorecard["accuracy"])]
+    parts += ["### Speed", speed_markdown(scorecard["speed"])]
+    if pts := points(scorecard):
+        parts.append("\n".join(f"- {p['config']}: average accuracy {p['accuracy']:.4f} at {p['decode_tokens_per_second']:.1f} decode tok/s (engine mode {p['mode']})" for p in pts))
+    return "\n\n".join(parts)
+
+
+def make_scorecard(ckpt: str | Path, settings: SpeedSettings, progress: bool = True, log=print) -> dict:
+    """Measure speed, gather the other artifacts, write scorecard.json, the plots and README.md."""
+    from sparseforge.eval.card import build_card
+
+    ckpt = Path(ckpt)
+    accuracy = _read(ckpt, "eval")
+    if accuracy is None:
+        log(f"no {ckpt}/eval.json: the scorecard has speed only (run `sparseforge eval {ckpt} --tasks ...` first)")
+    predictors = _read(ckpt, "predictors")
+    scorecard = {
+        "accuracy": _strip(accuracy),
+        "speed": measure_speed(ckpt, settings, progress, log),
+        "sparsity": _strip(_read(ckpt, "sparsity")),
+        "predictors": None if predictors is None else {
+            "params_fraction": predictors.get("params_fraction"), "heldout": predictors.get("heldout"), "eval": predictors.get("eval"),
+            "units": [{"layer": u["layer"], "expert": u["expert"], **(u.get("heldout") or {})} for u in predictors["units"]],
+        },
+    }  # fmt: skip
+    scorecard["plots"] = [p.name for p in plot(ckpt, scorecard)]
+    write_artifact(ckpt, "scorecard", scorecard, SCORECARD_FORMAT_VERSION)
+    atomic_write_text(ckpt / "README.md", build_card(ckpt))
+    return {"format_version": SCORECARD_FORMAT_VERSION, **scorecard}

@@ -1,0 +1,84 @@
+"""`sparseforge eval`: paired deltas by hand, the report built from lm-eval results, and the verb end to end on a
+tiny checkpoint (original, oracle and sparse rows on the local piqa documents)."""
+
+import json
+import math
+
+import pytest
+from test_eval_adapter import random_predictors
+from tiny import tiny_model, tiny_tokenizer
+
+pytest.importorskip("lm_eval")
+
+from sparseforge.checkpoint import save_sparse  # noqa: E402
+from sparseforge.cli import main  # noqa: E402
+from sparseforge.data import data_root  # noqa: E402
+from sparseforge.errors import SparseforgeError  # noqa: E402
+from sparseforge.eval.report import build_report, markdown, paired_delta, recorded_source  # noqa: E402
+from sparseforge.sparsify.convert import convert_model, model_card  # noqa: E402
+
+
+def test_paired_delta_by_hand():
+    base = {("t", i): v for i, v in enumerate([1, 0, 1, 1, 0])}
+    ours = {("t", i): v for i, v in enumerate([1, 1, 0, 1, 0])}
+    d = [0, 1, -1, 0, 0]
+    mean = sum(d) / 5
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / 4) / math.sqrt(5)
+    assert paired_delta(ours, base) == pytest.approx({"delta": mean, "stderr": se, "n": 5})
+    ours[("t", 9)] = 1.0  # documents only one side scored are left out
+    assert paired_delta(ours, base)["n"] == 5
+
+
+def _results(task: str, accs: list[float], ppl: float) -> dict:
+    """lm-eval-shaped results with per-document samples (acc is a mean; perplexity is not)."""
+    mean = sum(accs) / len(accs)
+    se = math.sqrt(sum((a - mean) ** 2 for a in accs) / (len(accs) - 1) / len(accs))
+    samples = [{"doc_id": i, "metrics": ["acc", "perplexity"], "acc": a, "perplexity": -1.0 - i} for i, a in enumerate(accs)]
+    return {"results": {task: {"acc,none": mean, "acc_stderr,none": se, "perplexity,none": ppl, "perplexity_stderr,none": 0.5}},
+            "samples": {task: samples}}  # fmt: skip
+
+
+def test_build_report_rows_deltas_and_average():
+    per_config = {
+        "original": _results("sf_x", [1, 1, 0, 1], 10.0),
+        "oracle": _results("sf_x", [1, 1, 0, 1], 10.0),
+        "sparse": _results("sf_x", [1, 0, 0, 0], 12.0),
+    }
+    report = build_report(per_config, ["sf_x"])
+    acc, ppl = report["rows"]
+    assert acc["metric"] == "acc" and acc["n"] == 4 and acc["values"]["sparse"]["value"] == 0.25
+    assert acc["deltas"]["oracle"] == {"delta": 0.0, "stderr": 0.0, "n": 4}
+    assert acc["deltas"]["sparse"]["delta"] == pytest.approx(-0.5)
+    assert ppl["deltas"] == {}  # the aggregate is not the mean of the per-document values: no paired delta
+    assert report["average"]["values"]["sparse"] == 0.25 and report["average"]["deltas"]["sparse"]["delta"] == pytest.approx(-0.5)
+    table = markdown({**report, "configs": per_config})
+    assert "| sf_x | acc | 4 | 0.7500 ± 0.2500 |" in table and "(-0.5000 ± 0.2887)" in table
+
+
+def test_recorded_source_reads_convert_card(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"sparsity": {"activation": "drelu"}}))
+    with pytest.raises(SparseforgeError, match="--original"):
+        recorded_source(tmp_path)
+    card = model_card("smollm2-135m", type("C", (), {"sparsity": {"activation": "drelu", "base_model_type": "llama"}}))
+    (tmp_path / "README.md").write_text(card)
+    assert recorded_source(tmp_path) == "smollm2-135m"
+
+
+@pytest.mark.skipif(not (data_root() / "eval" / "piqa").is_dir(), reason="no local eval data (set SPARSEFORGE_DATA)")
+def test_eval_verb_end_to_end(tmp_path, one_thread, capsys):
+    dense, ckpt = tmp_path / "dense", tmp_path / "ckpt"
+    model = tiny_model("llama", seed=2)
+    model.save_pretrained(dense)
+    tiny_tokenizer().save_pretrained(dense)
+    save_sparse(convert_model(model, "drelu"), tiny_tokenizer(), ckpt)
+    random_predictors(ckpt)
+    argv = ["eval", str(ckpt), "--tasks", "piqa", "--limit", "6", "--original", str(dense), "--context", "256", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| sf_piqa | acc | 6 |" in out and "**average**" in out
+    report = json.loads((ckpt / "eval.json").read_text())
+    assert report["format_version"] == 1 and set(report["configs"]) == {"original", "oracle", "sparse"}
+    acc = next(r for r in report["rows"] if r["metric"] == "acc")
+    assert set(acc["deltas"]) == {"oracle", "sparse"} and acc["deltas"]["sparse"]["n"] == 6
+    assert all(0 <= acc["values"][c]["value"] <= 1 for c in ("original", "oracle", "sparse"))
+    assert report["configs"]["sparse"]["engine"]["mode"] == "sparse"

@@ -1,0 +1,53 @@
+"""`sparseforge scorecard` on a tiny checkpoint: speed of the engine modes side by side, accuracy joined from eval.json,
+plots, and the model card regenerated from it. Timings are recorded, never asserted."""
+
+import json
+
+import pytest
+from test_eval_adapter import random_predictors
+from tiny import tiny_model, tiny_tokenizer
+
+from sparseforge.checkpoint import save_sparse, write_artifact
+from sparseforge.cli import main
+from sparseforge.data import default_pretrain_glob, expand
+from sparseforge.errors import SparseforgeError
+from sparseforge.sparsify.convert import convert_model
+
+try:
+    expand(default_pretrain_glob())
+    HAVE_DATA = True
+except SparseforgeError:
+    HAVE_DATA = False
+
+
+@pytest.mark.skipif(not HAVE_DATA, reason="no pretraining text under the data root (set SPARSEFORGE_DATA)")
+def test_scorecard_end_to_end(tmp_path, one_thread, capsys):
+    ckpt = tmp_path / "ckpt"
+    save_sparse(convert_model(tiny_model("llama", seed=6), "drelu"), tiny_tokenizer(), ckpt)
+    random_predictors(ckpt)
+    write_artifact(ckpt, "sparsity", {"activation": "drelu", "tokens": 64, "mean_zero_fraction": 0.5, "data": ["x"],
+                                      "layers": [{"layer": 0, "zero_fraction": 0.4}, {"layer": 1, "zero_fraction": 0.6}]}, 1)  # fmt: skip
+    row = {"task": "sf_piqa", "metric": "acc", "n": 8, "values": {c: {"value": v, "stderr": 0.1} for c, v in
+           (("original", 0.6), ("oracle", 0.55), ("sparse", 0.5))}, "deltas": {}}  # fmt: skip
+    write_artifact(ckpt, "eval", {"tasks": ["sf_piqa"], "limit": 8, "original": "tiny", "configs": {"original": {}, "oracle": {}, "sparse": {}},
+                                  "rows": [row], "average": {"values": {"original": 0.6, "oracle": 0.55, "sparse": 0.5}, "deltas": {}}}, 1)  # fmt: skip
+    argv = ["scorecard", str(ckpt), "--prompt-tokens", "16", "--decode-tokens", "4", "--repeats", "2", "--context", "64", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| dense |" in out and "| sparse |" in out and "sparse: average accuracy 0.5000" in out
+    card = json.loads((ckpt / "scorecard.json").read_text())
+    assert card["format_version"] == 1 and set(card["speed"]["modes"]) == {"dense", "sparse"}
+    for mode in card["speed"]["modes"].values():
+        assert len(mode["decode_runs"]) == 2 and all(r > 0 for r in mode["decode_runs"] + mode["prefill_runs"])
+        assert mode["resident_weight_bytes"] > 0
+    assert card["speed"]["modes"]["dense"]["decode_speedup_vs_dense"] == 1.0
+    assert card["accuracy"]["average"]["values"]["sparse"] == 0.5 and len(card["predictors"]["units"]) == 2
+    for name in ("scorecard_sparsity.png", "scorecard_accuracy_speed.png"):
+        assert name in card["plots"] and (ckpt / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    readme = (ckpt / "README.md").read_text()
+    assert "## Speed" in readme and "## Accuracy" in readme and "![scorecard_sparsity.png]" in readme
+
+
+def test_scorecard_checks_lengths(tmp_path, capsys):
+    assert main(["scorecard", str(tmp_path), "--repeats", "0"]) == 2
+    assert "--repeats" in capsys.readouterr().err
