@@ -186,15 +186,15 @@ def _sum_plan(run: Run) -> str:
 
 
 def _sum_eval(run: Run) -> str:
-    e = _json(run, "eval.json")
-    rows = e.get("rows") or []
-    return ", ".join(f"{r['name']} avg {r['average']:.3f}" for r in rows if r.get("average") is not None)
+    values = _json(run, "eval.json").get("average", {}).get("values", {})
+    return "mean accuracy " + ", ".join(f"{name} {v:.3f}" for name, v in values.items()) if values else ""
 
 
 def _sum_scorecard(run: Run) -> str:
-    s = _json(run, "scorecard.json")
-    speed = s.get("speed", {})
-    return f"decode speedup vs dense {speed['decode_speedup']:.2f}x" if "decode_speedup" in speed else ""
+    modes = _json(run, "scorecard.json").get("speed", {}).get("modes", {})
+    parts = [f"{m} {d['decode_tokens_per_second']:.1f} tok/s" for m, d in modes.items()]
+    speedup = modes.get("sparse", {}).get("decode_speedup_vs_dense")
+    return "decode " + ", ".join(parts) + (f" (sparse {speedup:.2f}x dense)" if speedup else "") if parts else ""
 
 
 STAGES = [
@@ -384,8 +384,10 @@ def run_command(args) -> int:
         return 0
     print()
     print(format_summary(rows))
-    card = ckpt / "scorecard.md"
-    if card.is_file():
+    scorecard = ckpt / "scorecard.json"
+    if scorecard.is_file():
+        from sparseforge.eval.scorecard import markdown
+
         print()
-        print(card.read_text().rstrip())
+        print(markdown(json.loads(scorecard.read_text())))
     return 0

@@ -65,11 +65,13 @@ def convert_model(model, activation: str, thresholds: list[float] | None = None,
     return sparse.eval()
 
 
-def model_card(source: str, config, trained: bool = False) -> str:
+def model_card(source: str, config) -> str:
     """A short model card; the scorecard stage replaces it with a fuller one."""
     s = config.sparsity
-    history = ("Continued pretraining after conversion (sparseforge train) recovered accuracy; the run's recipe and\nmetrics are in its output directory."
-               if trained else "Not trained after conversion: quality is that of the converted weights.")
+    trained, layerwise = s.get("trained_tokens", 0), s.get("layerwise_tokens", 0)
+    history = (f"Trained after conversion (sparseforge train): layer-wise MLP distillation on {layerwise:,} tokens, then\n"
+               f"{trained:,} tokens of continued pretraining end to end."
+               if trained or layerwise else "Not trained after conversion: quality is that of the converted weights.")
     return f"""---
 library_name: transformers
 tags: [sparseforge, activation-sparsity, {s['activation']}]

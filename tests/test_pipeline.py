@@ -21,9 +21,9 @@ def _recipe(workspace, tmp_path, **stages):
         "predictors": f"--tokens 512 --heldout-tokens 256 --budget 0.5 --max-epochs 2 --pilot-epochs 1 --min-rank 8 {data}",
         "predictors_eval": f"--tokens 128 {data}",
         "plan": ["--fast-memory 100%", "--fast-memory 25%"],
-        "eval": False,
-        "scorecard": False,
-        "export": False,
+        "eval": f"--tasks piqa --limit 4 --batch-size 4 --context 1024",
+        "scorecard": "--prompt-tokens 8 --decode-tokens 4 --repeats 1 --context 64",
+        "export": "",
         **stages,
     }
     path = tmp_path / "recipe.yaml"
@@ -47,14 +47,15 @@ def test_pipeline_end_to_end_skip_and_resume(workspace, tmp_path, one_thread, ca
     recipe = _recipe(workspace, tmp_path)  # fixed recipe: only plan (and the left-out stages) remain
     rows, ckpt = run_pipeline(str(recipe), progress=False)
     status = {r["stage"]: r["status"] for r in rows}
-    assert status == {**{n: "up to date" for n in STAGE_NAMES[: STAGE_NAMES.index("plan")]}, "plan": "ran",
-                      "eval": "left out", "scorecard": "left out", "export": "left out"}
+    assert status == {**{n: "up to date" for n in STAGE_NAMES[: STAGE_NAMES.index("plan")]},
+                      **{n: "ran" for n in ("plan", "eval", "scorecard", "export")}}
 
     # the checkpoint contract: a loadable sparse checkpoint plus every stage's artifact
     cfg = json.loads((ckpt / "config.json").read_text())
     assert cfg["sparsity"]["activation"] == "drelu" and "auto_map" in cfg
     assert cfg["sparsity"]["source"] == str(workspace / "dense")  # the original, recorded at convert and kept by train
-    assert "Continued pretraining after conversion" in (ckpt / "README.md").read_text()
+    assert cfg["sparsity"]["trained_tokens"] == 2 * 2 * 2 * 32 and cfg["sparsity"]["layerwise_tokens"] == 64
+    assert "Trained after conversion" in (ckpt / "README.md").read_text()
     for name in ("model.safetensors", "tokenizer.json", "configuration_sparseforge.py", "modeling_sparseforge.py",
                  "profile.safetensors", "predictors.safetensors", "README.md"):
         assert (ckpt / name).is_file(), name
@@ -66,18 +67,27 @@ def test_pipeline_end_to_end_skip_and_resume(workspace, tmp_path, one_thread, ca
     assert _artifact(ckpt / "plan-100pct.json")["expected_hit_rate"] == 1.0
     assert 0 < _artifact(ckpt / "plan-25pct.json")["expected_hit_rate"] < 1
     assert (tmp_path / "run" / "converted" / "model.safetensors").is_file()
+    report = _artifact(ckpt / "eval.json")
+    assert report["tasks"] == ["sf_piqa"] and set(report["average"]["values"]) == {"original", "oracle", "sparse"}
+    scorecard = _artifact(ckpt / "scorecard.json")
+    assert set(scorecard["speed"]["modes"]) == {"dense", "sparse"} and scorecard["accuracy"]["tasks"] == ["sf_piqa"]
+    for plot in scorecard["plots"]:
+        assert (ckpt / plot).stat().st_size > 0
+    card = (ckpt / "README.md").read_text()
+    assert "trust_remote_code=True" in card and "sparseforge generate" in card
 
     # nothing changed: every stage is skipped; a changed checkpoint re-runs what reads it
     rows, _ = run_pipeline(str(recipe), progress=False)
-    assert {r["status"] for r in rows} == {"up to date", "left out"}
+    assert {r["status"] for r in rows} == {"up to date"}
     (ckpt / "profile.safetensors").touch()
-    rows, _ = run_pipeline(str(recipe), progress=False)
+    rows, _ = run_pipeline(str(recipe), progress=False, only="profile,predictors,plan")
     assert [r["stage"] for r in rows if r["status"] == "ran"] == ["plan"]
 
     # --redo forces a stage and everything after it; the CLI prints one line per stage and the summary
-    assert main(["run", str(recipe), "--redo", "predictors_eval", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["run", str(recipe), "--redo", "predictors_eval", "--only", "measure,profile,predictors_eval,plan", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "[6/10] predictors_eval: sparseforge predictors eval" in out and "[3/10] measure: up to date, skipped" in out
+    assert "[3/4] predictors_eval: sparseforge predictors eval" in out and "[1/4] measure: up to date, skipped" in out
     assert "| plan | ran |" in out and "| profile | up to date |" in out
 
 

@@ -275,8 +275,11 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     if main:
         unwrapped = accelerator.unwrap_model(model)
         unwrapped.load_state_dict(state)
-        source = unwrapped.config.sparsity.get("source", r.model)  # the dense original, also when training a converted checkpoint
-        save_sparse(unwrapped, tokenizer, checkpoint, force=True, card=model_card(source, unwrapped.config, trained=True))
+        sparsity = unwrapped.config.sparsity
+        sparsity["trained_tokens"] = sparsity.get("trained_tokens", 0) + step * tokens_per_step  # end to end
+        sparsity["layerwise_tokens"] = sparsity.get("layerwise_tokens", 0) + r.layerwise_tokens
+        source = sparsity.get("source", r.model)  # the dense original, also when training a converted checkpoint
+        save_sparse(unwrapped, tokenizer, checkpoint, force=True, card=model_card(source, unwrapped.config))
     accelerator.wait_for_everyone()
     if r.report_to:
         accelerator.end_training()
