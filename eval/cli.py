@@ -1,9 +1,9 @@
 """CLI verbs of the eval stage: `tasks` (offline lm-eval task configs), `eval` (accuracy of the original, exact-mask
 and predicted-mask models), `push` (publish on the Hub), `lm-eval-plugin` (make `lm_eval --model sparseforge` work)."""
 
-import argparse
 import json
 
+from sparseforge.cli_options import HelpFormatter
 from sparseforge.data import DATA_ENV, DEFAULT_DATA_ROOT
 
 
@@ -22,7 +22,7 @@ def _register_tasks(subparsers) -> None:
         description="Render lm-eval 0.4.13's stock tasks (same prompts, metrics and preprocessing) as sf_<name> tasks "
         "that read the local eval sets, with the data root baked in as absolute paths. Then: "
         "lm_eval --include_path DIR --tasks sf_piqa ... See docs/eval.md.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--out", required=True, help="directory to write (new, empty, or written by this command before)")
     p.add_argument(
@@ -58,7 +58,7 @@ def _register_eval(subparsers) -> None:
         "model CKPT was converted from (original), CKPT with exact firing masks (oracle) and with the predictors' masks "
         "(sparse). Prints a Markdown table (value ± stderr, delta vs original ± paired stderr) and writes CKPT/eval.json. "
         "See docs/eval.md.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("ckpt", help="a sparse checkpoint (with predictors for the sparse row)")
     p.add_argument("--tasks", required=True, help="comma-separated tasks: piqa, arc_easy, arc_challenge, hellaswag, winogrande, "
@@ -98,7 +98,7 @@ def _register_push(subparsers) -> None:
         "its model card (README.md: how to load it with a pinned revision, how to run it with sparseforge, accuracy, "
         "sparsity, predictors), and upload the folder with huggingface_hub. The token comes from HF_TOKEN or "
         "`hf auth login`.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("ckpt", help="the checkpoint directory to upload")
     p.add_argument("--repo-id", required=True, help="Hub repository, ORG/NAME (created if missing)")
@@ -162,7 +162,7 @@ def _register_scorecard(subparsers) -> None:
         "decode tokens/s, bytes touched per decode token, neurons computed, resident weight bytes, peak RSS. Combine "
         "them with CKPT/eval.json, sparsity.json and predictors.json into CKPT/scorecard.json, print Markdown, plot "
         "scorecard_sparsity.png and scorecard_accuracy_speed.png, and regenerate CKPT/README.md.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("ckpt", help="a sparse checkpoint with predictors (run `sparseforge eval` first for the accuracy rows)")
     p.add_argument("--modes", default="dense,sparse", help="engine modes to time, comma-separated (dense, oracle, sparse)")

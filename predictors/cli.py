@@ -1,9 +1,8 @@
 """CLI verbs of the predictors stage: `profile`, `predictors train`, `predictors eval`, `export`."""
 
-import argparse
 import time
 
-from sparseforge.cli_options import add_text_stream_options, check_positive, text_stream
+from sparseforge.cli_options import HelpFormatter, add_text_stream_options, check_positive, text_stream
 
 
 def _data_options(p, tokens: int, what: str) -> None:
@@ -12,7 +11,7 @@ def _data_options(p, tokens: int, what: str) -> None:
 
 
 def register(subparsers) -> None:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     p = subparsers.add_parser(
         "profile",
         help="per-neuron firing counts and a co-activation neuron order, saved into the checkpoint",

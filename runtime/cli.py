@@ -4,7 +4,7 @@ import argparse
 import contextlib
 import sys
 
-from sparseforge.cli_options import check_positive
+from sparseforge.cli_options import HelpFormatter, check_positive
 from sparseforge.errors import SparseforgeError
 
 DTYPE_CHOICES = ("float32", "float16", "bfloat16", "int8")
@@ -23,7 +23,7 @@ def register_plan(subparsers) -> None:
         "embeddings + lm_head, norms, MoE routers, predictors, KV cache for --context) and fill the rest with the most "
         "frequently firing neuron bundles (gate row + up row + down column), per layer (per expert for MoE), which "
         "maximises the expected resident hits. Writes CKPT/plan.json (or --out); optionally PowerInfer's GPU index.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("ckpt", help="a sparse checkpoint with a profile (sparseforge profile); the plan is written into it")
     p.add_argument("--fast-memory", required=True, metavar="SIZE",
@@ -79,7 +79,7 @@ def _sampling_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
 
 
 def register_engine_verbs(subparsers) -> None:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     p = subparsers.add_parser("generate", help="generate text from a prompt with the sparse decode engine, streamed to stdout",
                               description="Tokenize --prompt (through the tokenizer's chat template when it has one, unless --raw), "
                               "prefill it densely, decode with the engine and stream the text to stdout; --stats adds a line of "

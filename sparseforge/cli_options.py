@@ -1,9 +1,20 @@
-"""Options shared by the verbs that stream real text through a model (measure, profile, predictors)."""
+"""Options shared by the verbs: the help formatter of every verb, and the text-stream options of the verbs
+that stream real text through a model (measure, profile, predictors)."""
 
 import argparse
 
 from sparseforge.data import DATA_ENV, default_pretrain_glob
 from sparseforge.errors import SparseforgeError
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to an option's help unless the help already states its default or X is None."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
 
 
 def add_text_stream_options(p: argparse.ArgumentParser, tokens: int, what: str) -> None:

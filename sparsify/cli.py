@@ -1,10 +1,9 @@
 """CLI verbs of the sparsify stage: `convert` and `measure`."""
 
-import argparse
 import time
 from pathlib import Path
 
-from sparseforge.cli_options import add_text_stream_options, check_positive, text_stream
+from sparseforge.cli_options import HelpFormatter, add_text_stream_options, check_positive, text_stream
 
 ACTIVATION_HELP = (
     "drelu: relu(gate)*relu(up); relu: relu(gate)*up; silu: unchanged SwiGLU (parity); "
@@ -18,7 +17,7 @@ def register(subparsers) -> None:
         help="swap a dense model's SwiGLU MLPs for a sparse activation and write a sparse checkpoint",
         description="Convert a dense SwiGLU model into a sparse checkpoint (HF directory with custom code that "
         "loads with trust_remote_code=True). Weights and key names are unchanged; only the MLP activation differs.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("model", help="model: alias smollm2-135m, a .gguf file, an HF model directory, or a Hub id org/name")
     p.add_argument("--activation", default="drelu", help=ACTIVATION_HELP)
@@ -34,7 +33,7 @@ def register(subparsers) -> None:
         description="Stream real text through the model and count, per layer (per expert for MoE), the fraction of "
         "MLP intermediate activations that are exactly zero. For a sparse checkpoint the result is written to "
         "CKPT/sparsity.json; a dense model is converted in memory with --activation and nothing is written.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("model", help="a sparse checkpoint directory (or any model spec, converted in memory)")
     add_text_stream_options(p, 16384, "tokens to measure over")
