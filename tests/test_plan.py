@@ -7,12 +7,11 @@ import random
 import numpy as np
 import pytest
 import torch
-from tiny import random_windows, tiny_model, tiny_tokenizer
+from tiny import profiled_checkpoint, tiny_model, tiny_tokenizer
 
 from sparseforge.checkpoint import save_sparse
 from sparseforge.cli import main
 from sparseforge.errors import SparseforgeError
-from sparseforge.predictors.profile import profile_model, save_profile
 from sparseforge.predictors.tensorfile import save_tensors
 from sparseforge.runtime.plan import (
     PlanRequest,
@@ -36,11 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _checkpoint(root, family):
-    ckpt = root / f"sparse-{family}"
-    model = convert_model(tiny_model(family), "drelu")
-    save_sparse(model, tiny_tokenizer(), ckpt)
-    tensors, report = profile_model(model, random_windows(4, 32), tokens=128, batch_size=2, coact_tokens=16, block_size=8, progress=False)
-    save_profile(ckpt, tensors, report)
+    ckpt, _, tensors = profiled_checkpoint(root, family)
     return ckpt, tensors["counts"]
 
 

@@ -6,13 +6,11 @@ import os
 
 import pytest
 import torch
-from tiny import random_windows, tiny_model, tiny_tokenizer
+from tiny import profiled_checkpoint, tiny_tokenizer
 
-from sparseforge.checkpoint import save_sparse
 from sparseforge.errors import SparseforgeError
 from sparseforge.predictors.fit import FittedUnit
 from sparseforge.predictors.model import LowRankPredictor
-from sparseforge.predictors.profile import profile_model, save_profile
 from sparseforge.predictors.store import save_predictors
 from sparseforge.runtime.bundles import BundleFile, build_bundles, bundle_paths, bundles_up_to_date, ensure_bundles
 from sparseforge.runtime.plan import PlanRequest, make_plan, parse_size
@@ -25,13 +23,7 @@ I = 128  # tiny_model intermediate size
 
 
 def _checkpoint(root, family):
-    ckpt = root / f"sparse-{family}"
-    from sparseforge.sparsify.convert import convert_model
-
-    model = convert_model(tiny_model(family), "drelu")
-    save_sparse(model, tiny_tokenizer(), ckpt)
-    tensors, report = profile_model(model, random_windows(4, 32), tokens=128, batch_size=2, coact_tokens=16, block_size=8, progress=False)
-    save_profile(ckpt, tensors, report)
+    ckpt, model, _ = profiled_checkpoint(root, family)
     torch.manual_seed(1)  # random rank-8 predictors, threshold 0: about half the neurons predicted active
     c = model.config
     experts = getattr(c, "num_local_experts", 1) if family == "mixtral" else 1

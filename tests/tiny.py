@@ -103,3 +103,17 @@ def tiny_recipe(workspace, out, **overrides) -> dict:
     }
     raw.update(overrides)
     return raw
+
+
+def profiled_checkpoint(root, family: str):
+    """A tiny dReLU checkpoint `root/sparse-{family}` with a profile over random tokens: (ckpt, model, profile tensors)."""
+    from sparseforge.checkpoint import save_sparse
+    from sparseforge.predictors.profile import profile_model, save_profile
+    from sparseforge.sparsify.convert import convert_model
+
+    ckpt = root / f"sparse-{family}"
+    model = convert_model(tiny_model(family), "drelu")
+    save_sparse(model, tiny_tokenizer(), ckpt)
+    tensors, report = profile_model(model, random_windows(4, 32), tokens=128, batch_size=2, coact_tokens=16, block_size=8, progress=False)
+    save_profile(ckpt, tensors, report)
+    return ckpt, model, tensors
