@@ -22,6 +22,7 @@ CKPT is OUTPUT_DIR/checkpoint. The recipe's `stages:` mapping gives each stage's
 string, or a list of strings for several commands, or `false` to leave the stage out).
 """
 
+import gc
 import hashlib
 import json
 import shlex
@@ -337,6 +338,7 @@ def run_pipeline(recipe_path: str, overrides: list[str] = (), only: str | None =
         start = time.perf_counter()
         for argv in cmds:
             run_stage(parser, _resuming(run, stage.name, argv), stage.name)
+        gc.collect()  # stages share one process: free one stage's models before the next loads its own
         seconds = time.perf_counter() - start
         missing = [p for p in stage.outputs(run, cmds) if not p.exists()]
         if missing:
