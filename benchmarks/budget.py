@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_CKPT, environment, markdown_table, measure_bandwidth, median, prompt_ids, write_results  # noqa: E402
+from common import DEFAULT_CKPT, markdown_table, median, setup, write_results  # noqa: E402
+
+from sparseforge.data import pretrain_prompt  # noqa: E402
 from decode import HFGenerate  # noqa: E402
 
 
@@ -96,9 +98,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3, help="repetitions (engines alternate inside each)")
     p.add_argument("--out", default=None, help="results name (default budget-t<threads>)")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    env = environment(args.threads)
-    bandwidth = measure_bandwidth(args.threads)
+    env, bandwidth = setup(args.threads)
     ckpt = Path(args.ckpt)
     plans = {b: make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype="float32")) for b in set(args.budgets) | set(args.hf_budgets)}
     contestants = [Tiered(ckpt, None, args.context, args.threads)] + [Tiered(ckpt, b, args.context, args.threads) for b in args.budgets]
@@ -106,7 +106,7 @@ def main() -> None:
         contestants.append(Offload(ckpt, b, plans[b]["budget_bytes"] - plans[b]["always_touched"]["kv_cache"]))
     from transformers import AutoTokenizer
 
-    ids = prompt_ids(AutoTokenizer.from_pretrained(ckpt, trust_remote_code=True), args.prompt_tokens)
+    ids = pretrain_prompt(AutoTokenizer.from_pretrained(ckpt, trust_remote_code=True), args.prompt_tokens)
     runs = {id(c): [] for c in contestants}
     for c in contestants:
         c.run(ids, 3)  # warm-up

@@ -56,17 +56,10 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def prompt_ids(tokenizer, n: int) -> list[int]:
-    """The first n tokens of the first local pretraining documents (real text, so predictors see real inputs)."""
-    from sparseforge.data import DATA_ENV, expand, interleave_documents
-
-    root = os.environ.get(DATA_ENV) or Path(__file__).resolve().parents[2] / "shared" / "data"
-    ids: list[int] = []
-    for doc in interleave_documents(expand([f"{root}/pretrain/*/*.jsonl.gz"])):
-        ids += tokenizer(doc)["input_ids"]
-        if len(ids) >= n:
-            return ids[:n]
-    raise SystemExit(f"the local data holds fewer than {n} tokens")
+def setup(threads: int) -> tuple[dict, dict]:
+    """Fix the thread count for torch, then (environment, measured bandwidth) for the results file."""
+    torch.set_num_threads(threads)
+    return environment(threads), measure_bandwidth(threads)
 
 
 def environment(threads: int) -> dict:

@@ -25,8 +25,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_CKPT, environment, markdown_table, measure_bandwidth, median, prompt_ids, time_stream, write_results  # noqa: E402
+from common import DEFAULT_CKPT, markdown_table, median, setup, time_stream, write_results  # noqa: E402
 from gguf_export import export_gguf, original_smollm2_gguf  # noqa: E402
+
+from sparseforge.data import pretrain_prompt  # noqa: E402
 
 PRECISIONS = {"fp32": ("float32", torch.float32, "F32"), "fp16": ("float16", torch.bfloat16, "F16"), "int8": ("int8", None, "Q4_1")}
 
@@ -197,15 +199,13 @@ def main() -> None:
     p.add_argument("--work-dir", default="/tmp/sparseforge-bench", help="where the exported GGUF files are cached")
     p.add_argument("--out", default=None, help="results name (default decode-t<threads>)")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
     ckpt = Path(args.ckpt)
-    env = environment(args.threads)
-    bandwidth = measure_bandwidth(args.threads)
+    env, bandwidth = setup(args.threads)
     notes: list[str] = []
     contestants = build_contestants(args, ckpt, notes)
     from transformers import AutoTokenizer
 
-    ids = prompt_ids(AutoTokenizer.from_pretrained(ckpt, trust_remote_code=True), args.prompt_tokens)
+    ids = pretrain_prompt(AutoTokenizer.from_pretrained(ckpt, trust_remote_code=True), args.prompt_tokens)
     runs = {id(c): [] for _, c in contestants}
     for _, c in contestants:  # warm-up: page in weights, build kernels, fill caches
         c.run(ids, 4)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, markdown_table, measure_bandwidth, median, time_stream, write_results  # noqa: E402
+from common import markdown_table, median, setup, time_stream, write_results  # noqa: E402
 
 SHAPES = {  # Llama-family shapes: SmolLM2-135M, Llama-3.2-1B, Llama-3.2-3B (tied embeddings)
     "135M": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152),
@@ -140,9 +140,7 @@ def main() -> None:
     p.add_argument("--work-dir", default="/tmp/sparseforge-scale", help="where the random checkpoints are written (kept for reruns)")
     p.add_argument("--out", default=None, help="results name (default scale-t<threads>)")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    env = environment(args.threads)
-    bandwidth = measure_bandwidth(args.threads)
+    env, bandwidth = setup(args.threads)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     context = args.prompt_tokens + args.new_tokens + 4

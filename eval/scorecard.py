@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from sparseforge.checkpoint import atomic_write_text, write_artifact
+from sparseforge.data import pretrain_prompt
 from sparseforge.errors import SparseforgeError
 
 SCORECARD_FORMAT_VERSION = 1
@@ -35,16 +36,6 @@ class SpeedSettings:
     repeats: int = 3
     threads: int | None = 1
     context: int = 512
-
-
-def prompt_ids(tokenizer, n: int) -> list[int]:
-    """The first n tokens of the pretraining text under the data root (the text predictors were trained on)."""
-    from sparseforge.data import default_pretrain_glob, expand, interleave_documents, pack_tokens
-
-    window = next(pack_tokens(interleave_documents(expand(default_pretrain_glob())), tokenizer, n), None)
-    if window is None:
-        raise SparseforgeError(f"the pretraining data holds fewer than {n} tokens; lower --prompt-tokens")
-    return window
 
 
 def _peak_rss_bytes() -> int:
@@ -74,7 +65,7 @@ def measure_speed(ckpt: str | Path, settings: SpeedSettings, progress: bool = Tr
         before = _peak_rss_bytes()
         engines[mode] = Engine.load(ckpt, mode=mode, context=settings.context, threads=settings.threads, progress=progress)
         load_rss[mode] = _peak_rss_bytes() - before
-    ids = torch.tensor([prompt_ids(engines[settings.modes[0]].tokenizer, settings.prompt_tokens)])
+    ids = torch.tensor([pretrain_prompt(engines[settings.modes[0]].tokenizer, settings.prompt_tokens)])
     runs = {m: {"prefill": [], "decode": []} for m in settings.modes}
     for rep in range(settings.repeats + 1):  # repetition 0 warms up (first-touch of weights, allocator) and is dropped
         order = settings.modes if rep % 2 == 0 else tuple(reversed(settings.modes))

@@ -106,3 +106,12 @@ def pack_tokens(docs: Iterable[str], tokenizer, seq_len: int) -> Iterator[list[i
         while len(buffer) >= seq_len:
             yield buffer[:seq_len]
             buffer = buffer[seq_len:]
+
+
+def pretrain_prompt(tokenizer, n: int) -> list[int]:
+    """The first n tokens of the pretraining text under the data root: a real-text prompt for speed
+    measurements (predictors then see the inputs they were trained on)."""
+    window = next(pack_tokens(interleave_documents(expand(default_pretrain_glob())), tokenizer, n), None)
+    if window is None:
+        raise SparseforgeError(f"the pretraining data under {data_root()} holds fewer than {n} tokens; ask for a shorter prompt")
+    return window
