@@ -21,7 +21,7 @@ def _recipe(workspace, tmp_path, **stages):
         "predictors": f"--tokens 512 --heldout-tokens 256 --budget 0.5 --max-epochs 2 --pilot-epochs 1 --min-rank 8 {data}",
         "predictors_eval": f"--tokens 128 {data}",
         "plan": ["--fast-memory 100%", "--fast-memory 25%"],
-        "eval": f"--tasks piqa --limit 4 --batch-size 4 --context 1024",
+        "eval": "--tasks piqa --limit 4 --batch-size 4 --context 1024",
         "scorecard": "--prompt-tokens 8 --decode-tokens 4 --repeats 1 --context 64",
         "export": "",
         **stages,
