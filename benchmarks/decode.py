@@ -1,13 +1,19 @@
-"""Decode speed on the dReLU SmolLM2-135M, side by side in one process: sparseforge sparse vs its dense mode vs
-HF transformers `generate` vs llama.cpp, at equal precision, plus llama.cpp on the original Q4_1 file.
+"""Decode speed on the dReLU SmolLM2-135M, side by side in one run: sparseforge sparse vs exact masks vs its dense
+mode vs HF transformers `generate` vs llama.cpp vs PowerInfer, at equal precision, plus llama.cpp on the original
+Q4_1 file.
 
     python benchmarks/decode.py --threads 2            # writes benchmarks/results/decode-t2.{json,md}
+    python benchmarks/decode.py --threads 2 --powerinfer BIN --powerinfer-gguf F16=x.gguf Q4_0=y.gguf
 
 Precisions: fp32 (sparseforge float32, HF float32, llama.cpp F32) and fp16 (sparseforge float16, HF bfloat16 —
 HF's CPU fp16 matmuls are not a fair baseline — llama.cpp F16); int8 (sparseforge weight-only int8) beside
 llama.cpp Q4_1. llama.cpp runs the checkpoint's own weights exported to GGUF (benchmarks/gguf_export.py: SwiGLU
 in place of dReLU, same matrices, same bytes) from `llama-cpp-python`, or a `llama-bench` binary (--llama-bench);
-its rows are skipped with a note when neither is available. Engines alternate within each repetition; medians.
+its rows are skipped with a note when neither is available. sparseforge oracle (exact masks) computes every gate
+row but up rows and down columns only where the neuron fires: the exact output at no predictor cost. PowerInfer
+rows run its `main` binary (--powerinfer) on GGUFs made from this checkpoint and its predictors (docs/benchmarks.md):
+one subprocess per run on the prompt's text, timed by its own "prompt eval" and "eval" lines. Engines alternate
+within each repetition; medians.
 
 Bytes touched per token: sparseforge's engine counts what its kernels read (weights + KV cache); for the dense
 baselines it is every weight matrix once (the tied embedding once, as the lm_head) + norms + the KV cache at the
@@ -17,6 +23,7 @@ mean decode position. Roofline fraction = bytes/token x tokens/s / measured read
 import argparse
 import gc
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,8 +36,10 @@ from common import DEFAULT_CKPT, markdown_table, median, setup, time_stream, wri
 from gguf_export import export_gguf, original_smollm2_gguf  # noqa: E402
 
 from sparseforge.data import pretrain_prompt  # noqa: E402
+from sparseforge.errors import SparseforgeError  # noqa: E402
 
 PRECISIONS = {"fp32": ("float32", torch.float32, "F32"), "fp16": ("float16", torch.bfloat16, "F16"), "int8": ("int8", None, "Q4_1")}
+POWERINFER_TYPES = {"F32": ("fp32", "all F32"), "F16": ("fp16", "mostly F16"), "Q4_0": ("int8", "mostly Q4_0"), "Q4_1": ("int8", "mostly Q4_1")}
 
 
 def dense_bytes(ckpt: Path, elem: float) -> int:
@@ -54,7 +63,7 @@ class Sparseforge:
         from sparseforge.runtime.engine import Engine
 
         self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False)
-        self.name, self.bytes = f"sparseforge {mode}", []
+        self.name, self.bytes = "sparseforge oracle (exact masks)" if mode == "oracle" else f"sparseforge {mode}", []
 
     def run(self, ids, n):
         from sparseforge.runtime.engine import GenerationConfig
@@ -63,7 +72,7 @@ class Sparseforge:
         out = time_stream(self.engine.generate(ids, GenerationConfig(max_new_tokens=n, stop_ids=())))
         stats = self.engine.stats()
         self.bytes.append(stats["bytes_touched_per_decode_token"])
-        self.computed = stats["neurons_computed_fraction"]
+        self.computed, self.fired = stats["neurons_computed_fraction"], stats["neurons_fired_fraction"]
         return out
 
     def bytes_per_token(self):
@@ -143,45 +152,127 @@ class LlamaBench:
         return self._bytes
 
 
+POWERINFER_TIMING = re.compile(r"llama_print_timings: +(prompt eval|eval) time = *([\d.]+) ms / *(\d+) (?:tokens|runs)")
+
+
+def parse_powerinfer_log(stderr: str) -> dict:
+    """What PowerInfer's main prints on stderr -> {"ftype": "mostly F16" | None, "weight_bytes": its "mem required"
+    (MiB) in bytes | None, "prompt eval"/"eval": (seconds, tokens or runs)} (a timing line it did not print: absent)."""
+    ftype = re.search(r"model ftype += (.+)", stderr)
+    memory = re.search(r"mem required += *([\d.]+) MB", stderr)
+    out = {"ftype": ftype.group(1).strip() if ftype else None, "weight_bytes": float(memory.group(1)) * 2**20 if memory else None}
+    out.update({kind: (float(ms) / 1e3, int(count)) for kind, ms, count in POWERINFER_TIMING.findall(stderr)})
+    return out
+
+
+class PowerInfer:
+    """PowerInfer's `main` binary on one of its GGUFs, greedy, EOS ignored. It tokenizes the prompt text itself and
+    times itself: prefill from its "prompt eval time" line, decode from its "eval time" line (sampling excluded)."""
+
+    def __init__(self, binary: Path, path: Path, label: str, text: str, context: int, threads: int):
+        self.binary, self.path, self.label, self.text, self.context, self.threads = binary, path, label, text, context, threads
+        self.name = f"PowerInfer {label} (checkpoint weights + predictors)"
+        self.prompt_tokens, self.weight_bytes = None, None
+
+    def run(self, ids, n):
+        cmd = [str(self.binary), "-m", str(self.path), "-p", self.text, "-n", str(n), "-t", str(self.threads), "-c", str(self.context),
+               "--temp", "0", "--repeat-penalty", "1.0", "--ignore-eos", "--log-disable"]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            last = out.stderr.strip().splitlines()[-1:] or ["no output"]
+            raise SparseforgeError(f"PowerInfer on {self.path} exited with status {out.returncode} ({last[0]}); run the command by hand: {' '.join(cmd[:4])} ...")
+        log = parse_powerinfer_log(out.stderr)
+        if log["ftype"] != POWERINFER_TYPES[self.label][1]:
+            raise SparseforgeError(f"--powerinfer-gguf {self.label}={self.path}: PowerInfer loads it as {log['ftype']!r}; label it with its own type")
+        if "prompt eval" not in log:
+            raise SparseforgeError(f"PowerInfer on {self.path} printed no llama_print_timings lines; is {self.binary} PowerInfer's main?")
+        self.weight_bytes = log["weight_bytes"]
+        prompt_s, self.prompt_tokens = log["prompt eval"]
+        eval_s, runs = log.get("eval", (0.0, 0))
+        # prefill seconds at PowerInfer's own prompt rate for our prompt length (its tokenization may differ)
+        return prompt_s * len(ids) / self.prompt_tokens, runs / eval_s if runs and eval_s else float("nan"), n
+
+    def bytes_per_token(self):
+        return None  # its sparse kernels skip the FFN rows its predictors drop and it does not count them
+
+
+def powerinfer_ggufs(args) -> list[tuple[str, Path]]:
+    """--powerinfer-gguf LABEL=PATH ... checked up front: (label, path) pairs, or [] without --powerinfer."""
+    if args.powerinfer_gguf and not args.powerinfer:
+        raise SparseforgeError("--powerinfer-gguf needs --powerinfer BIN (PowerInfer's main binary)")
+    if not args.powerinfer:
+        return []
+    if not Path(args.powerinfer).is_file():
+        raise SparseforgeError(f"--powerinfer {args.powerinfer}: no such file; build PowerInfer's main target (docs/powerinfer.md)")
+    if not args.powerinfer_gguf:
+        raise SparseforgeError(f"--powerinfer needs --powerinfer-gguf LABEL=PATH (LABEL one of {', '.join(POWERINFER_TYPES)})")
+    out = []
+    for item in args.powerinfer_gguf:
+        label, _, path = item.partition("=")
+        if label not in POWERINFER_TYPES or not path:
+            raise SparseforgeError(f"--powerinfer-gguf {item!r}: give LABEL=PATH with LABEL one of {', '.join(POWERINFER_TYPES)}")
+        if not Path(path).is_file():
+            raise SparseforgeError(f"--powerinfer-gguf {item}: no such file; convert the checkpoint as in docs/benchmarks.md")
+        with open(path, "rb") as f:
+            if f.read(4) != b"PWRI":
+                raise SparseforgeError(f"--powerinfer-gguf {item}: not a PowerInfer GGUF (no PWRI magic); make it with PowerInfer's convert.py")
+        out.append((label, Path(path)))
+    return out
+
+
 def llama_cpp_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def build_contestants(args, ckpt: Path, notes: list[str]) -> list[tuple[str, object]]:
+def llama_cpp_contestant(args, ckpt: Path, gguf_type: str, position: int, context: int, notes: list[str]):
+    """llama.cpp on the checkpoint's weights as a GGUF of `gguf_type` (Q4_1: the original SmolLM2 file), or None
+    with a note when neither llama-cpp-python nor --llama-bench is available."""
+    if gguf_type == "Q4_1":
+        import gguf
+
+        path = original_smollm2_gguf()
+        reader = gguf.GGUFReader(path)
+        bpt = sum(int(t.n_bytes) for t in reader.tensors) + kv_bytes(ckpt, position, 2)  # llama.cpp's KV cache is F16
+        label = "Q4_1 (original SmolLM2 file)"
+    else:
+        path = Path(args.work_dir) / f"smollm2-drelu-{gguf_type}.gguf"
+        if not path.is_file():
+            Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+            export_gguf(ckpt, path, gguf_type)
+        bpt = dense_bytes(ckpt, 4 if gguf_type == "F32" else 2) + kv_bytes(ckpt, position, 2)
+        label = f"{gguf_type} (checkpoint weights)"
+    if args.llama_bench:
+        return LlamaBench(args.llama_bench, path, label, args.threads, bpt)
+    if llama_cpp_available():
+        return LlamaCppPython(path, label, context, args.threads, bpt)
+    notes.append(f"llama.cpp {label}: skipped (no llama-cpp-python and no --llama-bench)")
+    return None
+
+
+def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list[tuple[str, Path]]) -> list[tuple[str, object]]:
+    """(precision, engine) in table order; `text` is the prompt as text, for PowerInfer's GGUFs `ggufs`."""
     position = args.prompt_tokens + args.new_tokens // 2
     context = args.prompt_tokens + args.new_tokens + 8
     out = []
     for prec in args.precisions:
         dtype, hf_dtype, gguf_type = PRECISIONS[prec]
-        for mode in ("sparse", "dense"):
+        for mode in ("sparse", "oracle", "dense"):
             out.append((prec, Sparseforge(ckpt, mode, dtype, context, args.threads)))
         if hf_dtype is not None and not args.no_hf:
             elem = 4 if hf_dtype == torch.float32 else 2
             out.append((prec, HFGenerate(ckpt, hf_dtype, dense_bytes(ckpt, elem) + kv_bytes(ckpt, position, elem))))
-        if args.no_llama_cpp:
-            continue
-        if gguf_type == "Q4_1":
-            import gguf
-
-            path = original_smollm2_gguf()
-            reader = gguf.GGUFReader(path)
-            bpt = sum(int(t.n_bytes) for t in reader.tensors) + kv_bytes(ckpt, position, 2)  # llama.cpp's KV cache is F16
-            label = "Q4_1 (original SmolLM2 file)"
-        else:
-            path = Path(args.work_dir) / f"smollm2-drelu-{gguf_type}.gguf"
-            if not path.is_file():
-                Path(args.work_dir).mkdir(parents=True, exist_ok=True)
-                export_gguf(ckpt, path, gguf_type)
-            bpt = dense_bytes(ckpt, 4 if gguf_type == "F32" else 2) + kv_bytes(ckpt, position, 2)
-            label = f"{gguf_type} (checkpoint weights)"
-        if args.llama_bench:
-            out.append((prec, LlamaBench(args.llama_bench, path, label, args.threads, bpt)))
-        elif llama_cpp_available():
-            out.append((prec, LlamaCppPython(path, label, context, args.threads, bpt)))
-        else:
-            notes.append(f"llama.cpp {label}: skipped (no llama-cpp-python and no --llama-bench)")
+        llama = None if args.no_llama_cpp else llama_cpp_contestant(args, ckpt, gguf_type, position, context, notes)
+        if llama is not None:
+            out.append((prec, llama))
+        out += [(prec, PowerInfer(Path(args.powerinfer), path, label, text, context, args.threads)) for label, path in ggufs if POWERINFER_TYPES[label][0] == prec]
+    if not args.powerinfer:
+        notes.append("PowerInfer: skipped (no --powerinfer binary)")
+    notes += [f"PowerInfer {label}: skipped (its precision block {POWERINFER_TYPES[label][0]} is not in --precisions)" for label, _ in ggufs
+              if POWERINFER_TYPES[label][0] not in args.precisions]  # fmt: skip
+    if any(label == "F32" for label, _ in ggufs):
+        notes.append("PowerInfer F32: its sparse FFN kernel reads weight rows as F16, so an F32 GGUF generates garbage (docs/powerinfer.md); speed only")
     return out
 
 
@@ -197,15 +288,29 @@ def main() -> None:
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
     p.add_argument("--llama-bench", default=None, metavar="PATH", help="a llama-bench binary to use instead of llama-cpp-python")
     p.add_argument("--work-dir", default="/tmp/sparseforge-bench", help="where the exported GGUF files are cached")
-    p.add_argument("--out", default=None, help="results name (default decode-t<threads>)")
+    p.add_argument("--powerinfer", default=None, metavar="BIN", help="PowerInfer's main binary (docs/benchmarks.md); without it the PowerInfer rows are skipped")
+    p.add_argument("--powerinfer-gguf", nargs="+", default=[], metavar="LABEL=PATH",
+                   help=f"PowerInfer GGUFs of this checkpoint, LABEL its type ({', '.join(POWERINFER_TYPES)}): one row each in the block of that precision")  # fmt: skip
+    p.add_argument("--out", default=None, help="results name under benchmarks/results (default decode-t<threads>); an absolute path writes PATH.{json,md}")
     args = p.parse_args()
-    ckpt = Path(args.ckpt)
-    env, bandwidth = setup(args.threads)
-    notes: list[str] = []
-    contestants = build_contestants(args, ckpt, notes)
+    try:
+        run(args)
+    except SparseforgeError as e:
+        print(f"decode.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(args) -> None:
+    """Build the contestants, time them alternating, write the results."""
     from transformers import AutoTokenizer
 
-    ids = pretrain_prompt(AutoTokenizer.from_pretrained(ckpt, trust_remote_code=True), args.prompt_tokens)
+    ckpt = Path(args.ckpt)
+    ggufs = powerinfer_ggufs(args)
+    env, bandwidth = setup(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=True)
+    ids = pretrain_prompt(tokenizer, args.prompt_tokens)
+    notes: list[str] = []
+    contestants = build_contestants(args, ckpt, notes, tokenizer.decode(ids), ggufs)
     runs = {id(c): [] for _, c in contestants}
     for _, c in contestants:  # warm-up: page in weights, build kernels, fill caches
         c.run(ids, 4)
@@ -221,7 +326,14 @@ def main() -> None:
         rows.append({"precision": prec, "engine": c.name, "decode_tps": decode, "prefill_tps": args.prompt_tokens / prefill_s,
                      "bytes_per_token": bpt, "mb_per_token": bpt / 1e6 if bpt else None,
                      "roofline": bpt * decode / (bandwidth["read_gbs"] * 1e9) if bpt and decode else None,
-                     "neurons_computed": getattr(c, "computed", None), "decode_all": [x[1] for x in r]})  # fmt: skip
+                     "neurons_computed": getattr(c, "computed", None), "neurons_fired": getattr(c, "fired", None), "decode_all": [x[1] for x in r]})  # fmt: skip
+        if isinstance(c, PowerInfer):
+            rows[-1].update(powerinfer_prompt_tokens=c.prompt_tokens, powerinfer_weight_bytes=c.weight_bytes)
+            dense = c.weight_bytes and (c.weight_bytes + kv_bytes(ckpt, args.prompt_tokens + args.new_tokens // 2, 2)) / 1e6
+            notes.append(f"{c.name}: MB touched / token unknown (its kernels skip the FFN rows its predictors drop and do not count them); "
+                         f"read densely it would be {dense or float('nan'):.1f} MB (the weights it loads, its 'mem required', + F16 KV cache)")  # fmt: skip
+            if c.prompt_tokens != len(ids):
+                notes.append(f"{c.name}: tokenized the prompt text into {c.prompt_tokens} tokens, not {len(ids)}; prefill rate is its own")
     for row in rows:
         sparse = next((s for s in rows if s["precision"] == row["precision"] and s["engine"] == "sparseforge sparse"), None)
         row["sparse_speedup"] = sparse["decode_tps"] / row["decode_tps"] if sparse and row["decode_tps"] else None
@@ -235,7 +347,7 @@ def main() -> None:
             "new_tokens": args.new_tokens, "reps": args.reps, "rows": rows, "notes": notes}  # fmt: skip
     cols = [("precision", "precision", ""), ("engine", "engine", ""), ("decode_tps", "decode tok/s", ".1f"), ("prefill_tps", "prefill tok/s", ".0f"),
             ("sparse_speedup", "sparse ÷ this", ".2f"), ("sparse_speedup_paired", "paired", ".2f"), ("mb_per_token", "MB touched / token", ".1f"), ("roofline", "roofline fraction", ".2f"),
-            ("neurons_computed", "neurons computed", ".3f")]  # fmt: skip
+            ("neurons_computed", "neurons computed", ".3f"), ("neurons_fired", "neurons fired", ".3f")]  # fmt: skip
     table = markdown_table(rows, cols) + f"\n\nread bandwidth {bandwidth['read_gbs']:.1f} GB/s, copy {bandwidth['copy_gbs']:.1f} GB/s ({args.threads} threads)"
     table += "".join(f"\n- {n}" for n in notes)
     for path in write_results(args.out or f"decode-t{args.threads}", data, table):

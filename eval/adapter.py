@@ -9,10 +9,11 @@ context/continuation split as the HF backend), and the scoring follows HFLM's `_
 (left truncation to `max_length + 1` tokens, log-softmax in float32, greedy check), which the parity test
 pins. What differs is the work:
 
-- loglikelihood: requests sharing a context (the choices of one question) run the context once through
-  the KV cache, then `cache.fork(n)` and all n continuations in one batch (right-padded; causal attention
-  keeps padding from touching real positions). Requests with a context of their own run batch_size at a time,
-  sorted by length and right-padded.
+- loglikelihood: requests sharing a long context (the choices of one question, when reusing the context saves
+  at least `share_min_saved` tokens, default 128) run the context once through the KV cache, then `cache.fork(n)` and all n
+  continuations in one batch (right-padded; causal attention keeps padding from touching real positions).
+  The other requests run batch_size at a time, sorted by length and right-padded, logits only from the first
+  scored position: for short contexts (piqa, arc) batching across questions beats computing each context once.
 - loglikelihood_rolling: lm-eval's disjoint rolling windows of `max_length` (= engine context) tokens.
 - generate_until: greedy decoding through the engine's cache, stopped at EOS or a stop string.
 
@@ -64,7 +65,8 @@ def _score(logits: torch.Tensor, targets: list[int]) -> tuple[float, bool]:
 @register_model("sparseforge")
 class SparseforgeLM(TemplateLM):
     """lm-eval LM over a sparseforge engine (module docstring). model_args: pretrained=CKPT, mode=sparse|oracle|dense,
-    backend=runtime|hf, weight_dtype=float32, batch_size=8, threads=N, context=2048, max_gen_toks=256."""
+    backend=runtime|hf, weight_dtype=float32, batch_size=8, threads=N, context=2048, max_gen_toks=256,
+    share_min_saved=128 (context tokens a shared context must save to be run once; 0: always)."""
 
     def __init__(
         self,
@@ -76,6 +78,7 @@ class SparseforgeLM(TemplateLM):
         threads: int | None = None,
         context: int = 2048,
         max_gen_toks: int = 256,
+        share_min_saved: int = 128,
         progress: bool = True,
         engine=None,
         **ignored,  # lm-eval passes device / max_batch_size to every model; an engine runs where it was loaded
@@ -94,6 +97,7 @@ class SparseforgeLM(TemplateLM):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_gen_toks = int(max_gen_toks)
+        self.share_min_saved = int(share_min_saved)  # below it, batching across questions beats reusing a short context
         self.stop_ids = set(engine.stop_ids())  # EOS of the tokenizer and of generation_config, as HF generate stops
         self.progress = progress
         self.timing = {"forward_tokens": 0, "seconds": 0.0}  # what went through the engine, and how long it took
@@ -130,9 +134,9 @@ class SparseforgeLM(TemplateLM):
     def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
-    def _forward(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, cache, last_only: bool = False, logits_from: int = 0) -> torch.Tensor:
         start = time.perf_counter()
-        logits = self.engine.forward(ids, cache, last_only=last_only)
+        logits = self.engine.forward(ids, cache, last_only=last_only, logits_from=logits_from)
         self.timing["seconds"] += time.perf_counter() - start
         self.timing["forward_tokens"] += ids.numel()
         return logits
@@ -149,7 +153,7 @@ class SparseforgeLM(TemplateLM):
 
     def _shared_prefix(self, prefix: list[int], conts: list[list[int]]) -> list[tuple[float, bool]]:
         """Continuations of one prefix: the prefix once, then the continuations as forks of its cache."""
-        cache = self.engine.new_cache(1)
+        cache = self.engine.new_cache(1, len(prefix) + max(len(c) for c in conts) - 1)  # the KV these requests fill
         first = self._forward(torch.tensor([prefix]), cache, last_only=True)[0, -1]  # [V]: predicts each continuation's first token
         out = []
         for start in range(0, len(conts), self.batch_size):
@@ -173,8 +177,9 @@ class SparseforgeLM(TemplateLM):
         inputs = torch.full((len(items), width), self.eot_token_id, dtype=torch.long)  # [b, T]
         for i, (p, c) in enumerate(items):
             inputs[i, : len(p) + len(c) - 1] = torch.tensor(p + c[:-1], dtype=torch.long)
-        logits = self._forward(inputs, self.engine.new_cache(len(items)))
-        return [_score(logits[i, len(p) - 1 : len(p) + len(c) - 1], c) for i, (p, c) in enumerate(items)]
+        start = min(len(p) - 1 for p, _ in items)  # no logits before the earliest scored position
+        logits = self._forward(inputs, self.engine.new_cache(len(items), width), logits_from=start)
+        return [_score(logits[i, len(p) - 1 - start : len(p) + len(c) - 1 - start], c) for i, (p, c) in enumerate(items)]
 
     def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
@@ -182,11 +187,11 @@ class SparseforgeLM(TemplateLM):
         for i, (prefix, _) in enumerate(splits):
             groups[tuple(prefix)].append(i)
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        singles: list[int] = []  # requests whose context no other request shares
+        singles: list[int] = []  # requests run with their own copy of their context
         bar = tqdm(total=len(requests), desc="sparseforge loglikelihood", disable=disable_tqdm or not self.progress)
         for prefix, members in groups.items():
-            if len(members) == 1:
-                singles.append(members[0])
+            if len(members) == 1 or len(prefix) * (len(members) - 1) < self.share_min_saved:
+                singles.extend(members)
                 continue
             for i, r in zip(members, self._shared_prefix(list(prefix), [splits[m][1] for m in members])):
                 results[i] = r
@@ -224,7 +229,7 @@ class SparseforgeLM(TemplateLM):
     # ---- generation ------------------------------------------------------------------------------
     def _greedy(self, ids: list[int], max_new: int, until: list[str]) -> list[int]:
         """Greedy continuation of ids (at most max_new tokens), stopped at a stop id or once a stop string appears."""
-        cache, out = self.engine.new_cache(1), []
+        cache, out = self.engine.new_cache(1, min(self.max_length, len(ids) + max_new)), []
         logits = self._forward(torch.tensor([ids]), cache, last_only=True)[0, -1]
         for _ in range(max_new):
             token = int(logits.argmax())

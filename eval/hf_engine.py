@@ -75,7 +75,8 @@ class HFEngine:
             predictors = load_predictors(source.path)
         return cls(model, tokenizer, mode, predictors, context)
 
-    def new_cache(self, batch: int = 1) -> HFCache:
+    def new_cache(self, batch: int = 1, context: int | None = None) -> HFCache:
+        """A cache for `batch` rows (transformers' DynamicCache grows as it goes: `context` is not needed)."""
         return HFCache(batch)
 
     def _masks(self):
@@ -86,15 +87,15 @@ class HFEngine:
         return masked_mlps(self.model, "oracle" if self.mode == "oracle" else "predicted", self.predictors)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: HFCache, last_only: bool = False) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, cache: HFCache, last_only: bool = False, logits_from: int = 0) -> torch.Tensor:
         """ids: LongTensor [B, T] appended to `cache` (B = cache.batch) -> logits float32 [B, T, V]
-        ([B, 1, V] of the last position when last_only)."""
+        ([B, 1, V] of the last position when last_only; [B, T - logits_from, V] of positions logits_from.. otherwise)."""
         if ids.shape[0] != cache.batch:
             raise SparseforgeError(f"forward got {ids.shape[0]} rows for a cache of batch {cache.batch}")
         if cache.length + ids.shape[1] > self.context:
             raise SparseforgeError(f"{cache.length + ids.shape[1]} tokens exceed the engine context {self.context}; raise context")
         with self._masks():
-            out = self.model(input_ids=ids, past_key_values=cache.kv, use_cache=True, logits_to_keep=1 if last_only else 0)
+            out = self.model(input_ids=ids, past_key_values=cache.kv, use_cache=True, logits_to_keep=1 if last_only else ids.shape[1] - logits_from)
         return out.logits.float()
 
     def stop_ids(self) -> tuple[int, ...]:

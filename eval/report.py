@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparseforge.checkpoint import read_artifact, write_artifact
+from sparseforge.checkpoint import atomic_write_text, read_artifact, write_artifact
 from sparseforge.errors import SparseforgeError
 
 EVAL_FORMAT_VERSION = 1
@@ -151,6 +151,66 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+PARTS_DIR = "eval-parts"  # CKPT/eval-parts/<config>.<task>.json: one scored (configuration, task), reused on re-runs
+
+
+def _fingerprint(paths: list[Path]) -> list:
+    """(name, size, mtime_ns) of each existing file: a part is redone when the weights it scored changed."""
+    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in paths if p.is_file()]
+
+
+def part_key(ckpt: Path, config: str, task: str, limit, context: int, backend: str, original: str | None) -> dict:
+    """What a part's scores depend on: the task and its sample, the context, and the weights (and predictors) scored."""
+    if config == "original":
+        model = {"spec": original}
+    else:
+        files = sorted(ckpt.glob("model*.safetensors")) + [ckpt / "config.json"]
+        if config == "sparse":
+            files += [ckpt / "predictors.safetensors", ckpt / "predictors.json"]
+        model = {"files": _fingerprint(files), "backend": backend}
+    return {"task": task, "limit": limit, "context": context, "model": model}
+
+
+def _trim(results: dict, task: str) -> dict:
+    """The parts of lm-eval's results the report reads, for one task (and its subtasks): the aggregated
+    metrics, the group structure and each document's numeric scores (not the prompts)."""
+    groups = results.get("group_subtasks", {})
+    leaves = set(_leaves(task, groups)) | {task}
+    samples = {}
+    for leaf in leaves:
+        samples[leaf] = [
+            {"doc_id": s["doc_id"], "metrics": s.get("metrics", []), **{m: s[m] for m in s.get("metrics", []) if m in s}}
+            for s in results.get("samples", {}).get(leaf, [])
+        ]
+    return {
+        "results": {k: v for k, v in results["results"].items() if k in leaves or k in groups},
+        "group_subtasks": groups,
+        "n-samples": {k: v for k, v in results.get("n-samples", {}).items() if k in leaves},
+        "samples": samples,
+    }
+
+
+def _merge(parts: list[dict]) -> dict:
+    """One results dict (as lm-eval returns for several tasks) from per-task parts."""
+    out: dict = {"results": {}, "group_subtasks": {}, "n-samples": {}, "samples": {}}
+    for part in parts:
+        for key in out:
+            out[key].update(part.get(key, {}))
+    return out
+
+
+def task_limit(task: str, limit: int | None, data_root: str | Path | None) -> int | float | None:
+    """lm-eval's `limit` for one task from a per-task document count: as is for a plain task; for a group
+    (sf_mmlu: 57 subjects, and lm-eval applies a limit to every subject) the fraction of the group's
+    documents that gives at least `limit` in all, spread over the subjects in proportion to their size."""
+    from sparseforge.eval.tasks import group_documents
+
+    total = group_documents(task, data_root)
+    if limit is None or total is None:
+        return limit
+    return None if limit >= total else limit / total
+
+
 def run_eval(
     ckpt: str | Path,
     tasks: list[str],
@@ -165,7 +225,11 @@ def run_eval(
     progress: bool = True,
     log=print,
 ) -> dict:
-    """Score `configs` of `ckpt` on the offline `tasks` and write CKPT/eval.json; returns the report."""
+    """Score `configs` of `ckpt` on the offline `tasks` and write CKPT/eval.json; returns the report.
+
+    Each (configuration, task) is written to CKPT/eval-parts/ as soon as it is scored and reused by later
+    runs while its key (task, limit, context, weights) matches, so an interrupted eval loses at most the task
+    it was in, and a report over more tasks or rows scores only what is new."""
     from sparseforge.eval.adapter import SparseforgeLM, load_engine
     from sparseforge.eval.harness import run_tasks
     from sparseforge.eval.hf_engine import HFEngine
@@ -174,38 +238,65 @@ def run_eval(
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or not configs:
         raise SparseforgeError(f"unknown configuration(s) {unknown or configs}; choose from {', '.join(CONFIGS)}")
-    if "sparse" in configs and not (Path(ckpt) / "predictors.json").is_file():
+    if limit is not None and limit < 1:
+        raise SparseforgeError(f"--limit must be a positive number of documents, got {limit}")
+    ckpt = Path(ckpt)
+    if "sparse" in configs and not (ckpt / "predictors.json").is_file():
         raise SparseforgeError(f"{ckpt} has no predictors.json for the 'sparse' row; run `sparseforge predictors train {ckpt}` or pass --configs original,oracle")
-    names = [local_name(t) for t in tasks]
+    names = list(dict.fromkeys(local_name(t) for t in tasks))
     original = original or (recorded_source(ckpt) if "original" in configs else None)
+    parts_dir = ckpt / PARTS_DIR
+    parts_dir.mkdir(exist_ok=True)
     per_config, runs = {}, {}
     with tempfile.TemporaryDirectory(prefix="sparseforge-tasks-") as tmp:
         task_dir = write_task_dir(data_root, tmp, names)
         for k, config in enumerate(configs, 1):
-            log(f"[{k}/{len(configs)}] {config}: loading {original if config == 'original' else ckpt}")
-            start = time.perf_counter()
-            if config == "original":
-                if threads:
-                    import torch
+            keys = {t: part_key(ckpt, config, t, limit, context, backend, original) for t in names}
+            parts, todo = {}, []
+            for t in names:
+                path = parts_dir / f"{config}.{t}.json"
+                part = json.loads(path.read_text()) if path.is_file() else None
+                if part is not None and part.get("key") == keys[t]:
+                    parts[t] = part
+                else:
+                    todo.append(t)
+            if todo:
+                log(f"[{k}/{len(configs)}] {config}: loading {original if config == 'original' else ckpt} for {', '.join(todo)}"
+                    + (f" ({len(parts)} task(s) reused from {parts_dir})" if parts else ""))  # fmt: skip
+                if config == "original":
+                    if threads:
+                        import torch
 
-                    torch.set_num_threads(threads)
-                engine = HFEngine.load(original, mode="dense", context=context)
+                        torch.set_num_threads(threads)
+                    engine = HFEngine.load(original, mode="dense", context=context)
+                else:
+                    engine = load_engine(str(ckpt), config, backend, "float32", context, threads, progress)
+                for t in todo:
+                    lm = SparseforgeLM(engine=engine, batch_size=batch_size, progress=progress)
+                    start = time.perf_counter()
+                    results = run_tasks(lm, [t], task_dir, limit=task_limit(t, limit, data_root), log_samples=True)
+                    run = {
+                        "model": original if config == "original" else str(ckpt),
+                        "engine": engine.stats(),
+                        "wall_seconds": time.perf_counter() - start,
+                        "forward_seconds": lm.timing["seconds"],
+                        "forward_tokens": lm.timing["forward_tokens"],
+                    }
+                    parts[t] = {"key": keys[t], "run": run, **_trim(results, t)}
+                    atomic_write_text(parts_dir / f"{config}.{t}.json", json.dumps(parts[t]) + "\n")
+                    log(f"[{k}/{len(configs)}] {config} {t}: {run['wall_seconds']:.0f} s, {run['forward_tokens']} tokens through the model")
+                del engine
             else:
-                engine = load_engine(str(ckpt), config, backend, "float32", context, threads, progress)
-            lm = SparseforgeLM(engine=engine, batch_size=batch_size, progress=progress)
-            results = run_tasks(lm, names, task_dir, limit=limit, log_samples=True)
-            per_config[config] = results
+                log(f"[{k}/{len(configs)}] {config}: all {len(names)} task(s) reused from {parts_dir}")
+            per_config[config] = _merge([parts[t] for t in names])
+            done = [parts[t]["run"] for t in names]
             runs[config] = {
                 "model": original if config == "original" else str(ckpt),
-                "engine": engine.stats(),
-                "wall_seconds": time.perf_counter() - start,
-                "forward_seconds": lm.timing["seconds"],
-                "forward_tokens": lm.timing["forward_tokens"],
+                "engine": done[-1]["engine"],
+                "wall_seconds": sum(r["wall_seconds"] for r in done),
+                "forward_seconds": sum(r["forward_seconds"] for r in done),
+                "forward_tokens": sum(r["forward_tokens"] for r in done),
             }
-            spent = sum(r["wall_seconds"] for r in runs.values())
-            eta = f"; the {len(configs) - k} remaining row(s) at this pace: ~{spent / k * (len(configs) - k):.0f} s" if k < len(configs) else ""
-            log(f"[{k}/{len(configs)}] {config}: {runs[config]['wall_seconds']:.0f} s, {lm.timing['forward_tokens']} tokens through the model{eta}")
-            del engine, lm
     report = {"tasks": names, "limit": limit, "original": original, "configs": runs, **build_report(per_config, names)}
     write_artifact(ckpt, "eval", report, EVAL_FORMAT_VERSION)
     return {"format_version": EVAL_FORMAT_VERSION, **report}

@@ -166,6 +166,14 @@ def _prepare(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def group_documents(task: str, data_root: str | Path | None = None) -> int | None:
+    """Documents of a group task over all its subtasks (sf_mmlu: the test file's lines); None for a plain task."""
+    if task not in ("mmlu", local_name("mmlu")):
+        return None
+    with open(resolve_data_root(data_root) / MMLU_FILES["test"], "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
 def write_task_dir(data_root: str | Path | None, out_dir: str | Path, tasks: Iterable[str] | None = None) -> Path:
     """Write the offline task YAMLs for `lm_eval --include_path OUT_DIR`; return OUT_DIR (absolute).
 

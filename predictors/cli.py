@@ -51,6 +51,23 @@ def register(subparsers) -> None:
     t.add_argument("--pilot-rows", type=int, default=16384, help="training rows (a random subset) the pilot fits on")
     t.add_argument("--min-rank", type=int, default=16, help="smallest rank any predictor gets")
     t.set_defaults(func=train_command)
+    c = verbs.add_parser(
+        "calibrate",
+        help="re-choose the thresholds for another recall target, without refitting",
+        description="Trade speed for accuracy after training: stream the same held-out tokens `predictors train` used "
+        "(skipping its training tokens), score them with the trained predictors and set each unit's threshold to reach "
+        "--target-recall (+ --recall-margin) there. Only CKPT/predictors.json changes; its `eval` is cleared, so run "
+        "`sparseforge predictors eval CKPT` next for the perplexity at the new thresholds.",
+        formatter_class=fmt,
+    )
+    c.add_argument("ckpt", help="a sparse checkpoint with predictors (sparseforge predictors train)")
+    c.add_argument("--target-recall", type=float, required=True, help="recall to reach on fresh text")
+    c.add_argument("--recall-margin", type=float, default=None, help="calibrate to --target-recall plus this on the held-out tokens (default: the one training used)")
+    c.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
+    c.add_argument("--device", default="cpu", help="torch device")
+    c.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bars")
+    c.set_defaults(func=calibrate_command)
     e = verbs.add_parser(
         "eval",
         help="recall and perplexity on fresh text: dense vs oracle mask vs predicted mask",
@@ -137,7 +154,7 @@ def train_command(args) -> int:
     pred_params = sum(u.stats["params"] for u in fitted)
     totals = {k: sum(u.stats.get("heldout_counts", {}).get(k, 0) for u in fitted) for k in ("tp", "fp", "fn", "tn")}
     report = {
-        "activation": model.config.sparsity["activation"], "data": patterns, "seq_len": args.seq_len,
+        "activation": model.config.sparsity["activation"], "data": patterns, "text_field": args.text_field, "seq_len": args.seq_len,
         "train_tokens": sets.train_tokens, "heldout_tokens": sets.heldout_tokens,
         "num_experts": num_experts(model.config), "hidden_size": h, "intermediate_size": width,
         "target_recall": args.target_recall, "calibration_recall": calibration_recall(cfg), "budget": args.budget,
@@ -154,6 +171,55 @@ def train_command(args) -> int:
     print(f"{'all':>6}  {'':>4}  {o['recall']:>6.4f}  {o['precision']:>9.4f}  {100 * o['predicted_fraction']:>14.2f}  {100 * o['true_fraction']:>13.2f}")
     print(f"predictor parameters {pred_params} = {100 * report['params_fraction']:.2f}% of MLP parameters; held-out {sets.heldout_tokens} tokens")
     print(f"wrote {source.path}/predictors.safetensors and predictors.json in {time.perf_counter() - start:.0f}s")
+    return 0
+
+
+def calibrate_command(args) -> int:
+    from argparse import Namespace
+
+    from sparseforge.checkpoint import write_artifact
+    from sparseforge.errors import SparseforgeError
+    from sparseforge.predictors.calibrate import rates
+    from sparseforge.predictors.collect import collect_pairs, skip_tokens
+    from sparseforge.predictors.fit import calibrate_unit
+    from sparseforge.predictors.store import PREDICTORS_FORMAT_VERSION, load_predictors
+
+    predictors = load_predictors(args.ckpt)
+    report = predictors.report
+    margin = report["fit"]["recall_margin"] if args.recall_margin is None else args.recall_margin
+    if not 0 < args.target_recall < 1:
+        raise SparseforgeError(f"--target-recall must be in (0, 1), got {args.target_recall}")
+    if not 0 <= margin < 1 - args.target_recall:
+        raise SparseforgeError(f"--recall-margin must be in [0, 1 - --target-recall), got {margin}")
+    start = time.perf_counter()
+    stream = Namespace(**vars(args), data=report["data"], text_field=report.get("text_field", "text"), seq_len=report["seq_len"], tokens=report["heldout_tokens"])
+    model, windows, _, source = _setup(stream)
+    held = report["heldout_tokens"]
+    sets = collect_pairs(model, skip_tokens(windows, report["train_tokens"]), 0, held, 1, held, args.batch_size, not args.no_progress)
+    if sets.heldout_tokens < held:
+        raise SparseforgeError(f"the data gave {sets.heldout_tokens} of the {held} held-out tokens training used; is --data the same as in training ({report['data']})?")
+    target = min(args.target_recall + margin, 1.0 - 1e-6)
+    totals = {k: 0 for k in ("tp", "fp", "fn", "tn")}
+    units = []
+    for unit in report["units"]:
+        model_u = predictors.predictors[(unit["layer"], unit["expert"])]
+        val = sets.heldout[unit["layer"]][unit["expert"]]
+        if model_u is None or val.size == 0:
+            units.append(unit)
+            continue
+        threshold, counts = calibrate_unit(model_u, val, target)
+        units.append({**unit, "threshold": threshold, "heldout": rates(counts), "heldout_counts": counts})
+        for k in totals:
+            totals[k] += counts[k]
+    before = report["heldout"]
+    record = {k: v for k, v in report.items() if k != "format_version"}
+    record.update(units=units, target_recall=args.target_recall, calibration_recall=target, heldout=rates(totals), eval=None)
+    record["fit"] = {**report["fit"], "target_recall": args.target_recall, "recall_margin": margin}
+    write_artifact(source.path, "predictors", record, PREDICTORS_FORMAT_VERSION)
+    after = record["heldout"]
+    print(f"held-out recall {before['recall']:.4f} -> {after['recall']:.4f}, predicted active {100 * before['predicted_fraction']:.2f}% -> "
+          f"{100 * after['predicted_fraction']:.2f}% (true {100 * after['true_fraction']:.2f}%)")  # fmt: skip
+    print(f"updated {source.path}/predictors.json in {time.perf_counter() - start:.0f}s; next: sparseforge predictors eval {source.path}")
     return 0
 
 

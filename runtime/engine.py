@@ -129,16 +129,20 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(ckpt, local_files_only=True, trust_remote_code=False)  # needs none of the custom code
         return cls(ckpt, config, tokenizer, weights, predictors, mode, context, threads, weight_dtype, units, native)
 
-    def new_cache(self, batch: int = 1) -> KVCache:
-        """A KV cache for `batch` rows of up to `context` positions."""
-        return KVCache(self.config.num_hidden_layers, batch, self.shape.kv_heads, self.context, self.shape.head_dim)
+    def new_cache(self, batch: int = 1, context: int | None = None) -> KVCache:
+        """A KV cache for `batch` rows of up to `context` positions (default and at most: the engine's).
+        Size it to the request when it is known: the cache is allocated and zeroed up front."""
+        context = self.context if context is None else context
+        if not 1 <= context <= self.context:
+            raise SparseforgeError(f"a cache of {context} positions is outside 1..{self.context}, the engine's context; load the engine with a larger context")
+        return KVCache(self.config.num_hidden_layers, batch, self.shape.kv_heads, context, self.shape.head_dim)
 
     # -- forward -------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        """ids [B, T] -> float32 logits [B, T, V] (or [B, 1, V] of the last position when last_only);
-        appends the T positions to `cache`."""
+    def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False, logits_from: int = 0) -> torch.Tensor:
+        """ids [B, T] -> float32 logits [B, T - logits_from, V] of positions logits_from.. ([B, 1, V] of the last
+        position when last_only); appends the T positions to `cache`."""
         ids = torch.as_tensor(ids, dtype=torch.long)
         if ids.dim() != 2:
             raise SparseforgeError(f"ids must be [batch, tokens], got shape {tuple(ids.shape)}")
@@ -161,8 +165,7 @@ class Engine:
             x = x + attention(rms_norm(x, lw.input_norm, eps), lw, self.shape, i, cache, self.cos, self.sin)
             resid = x.reshape(B * T, -1)  # [N, H]
             x = x + self._mlp(i, lw, rms_norm(resid, lw.post_norm, eps), resid).view(B, T, -1)
-        if last_only:
-            x = x[:, -1:]
+        x = x[:, -1:] if last_only else x[:, logits_from:]
         x = rms_norm(x, self.weights.final_norm, eps)
         logits = self.weights.lm_head(x.reshape(-1, x.shape[-1])).view(B, x.shape[1], -1)
         self._account(B, T, start, cache)

@@ -53,17 +53,22 @@ def pair(one_thread):
 def test_loglikelihood_matches_hflm(pair):
     hf, ours = pair
     reqs = _ll_requests()
-    expected, got = hf.loglikelihood(reqs, disable_tqdm=True), ours.loglikelihood(reqs, disable_tqdm=True)
-    assert torch.allclose(torch.tensor([e[0] for e in expected]), torch.tensor([g[0] for g in got]), atol=1e-4, rtol=1e-5)
-    assert [e[1] for e in expected] == [g[1] for g in got]
+    expected = hf.loglikelihood(reqs, disable_tqdm=True)
+    for share in (0, 10**9):  # every shared context run once / every request batched with its own context
+        ours.share_min_saved = share
+        got = ours.loglikelihood(reqs, disable_tqdm=True)
+        assert torch.allclose(torch.tensor([e[0] for e in expected]), torch.tensor([g[0] for g in got]), atol=1e-4, rtol=1e-5)
+        assert [e[1] for e in expected] == [g[1] for g in got]
+    ours.share_min_saved = 128
     assert len({round(g[0], 3) for g in got}) > len(QUESTIONS)  # the scores differ: not a degenerate model
 
 
 def test_shared_contexts_run_once(pair):
     _, ours = pair
     reqs = _ll_requests()
-    ours.timing["forward_tokens"] = 0
+    ours.timing["forward_tokens"], ours.share_min_saved = 0, 0
     ours.loglikelihood(reqs, disable_tqdm=True)
+    ours.share_min_saved = 128
     one_by_one = 0
     for r in reqs:
         ctx, cont = ours._encode_pair(*r.args) if r.args[0] else ([0], ours.tok_encode(r.args[1]))

@@ -82,3 +82,34 @@ def test_eval_verb_end_to_end(tmp_path, one_thread, capsys):
     assert set(acc["deltas"]) == {"oracle", "sparse"} and acc["deltas"]["sparse"]["n"] == 6
     assert all(0 <= acc["values"][c]["value"] <= 1 for c in ("original", "oracle", "sparse"))
     assert report["configs"]["sparse"]["engine"]["mode"] == "sparse"
+    parts = sorted(p.name for p in (ckpt / "eval-parts").iterdir())
+    assert parts == ["oracle.sf_piqa.json", "original.sf_piqa.json", "sparse.sf_piqa.json"]
+
+    # a second report over more tasks scores only the new task; new predictors redo only the sparse row
+    assert main([*argv[:3], "piqa,arc_easy", *argv[4:]]) == 0
+    out = capsys.readouterr().out
+    assert out.count("for sf_arc_easy (1 task(s) reused") == 3 and "sf_piqa:" not in out
+    again = json.loads((ckpt / "eval.json").read_text())
+    assert next(r for r in again["rows"] if r["metric"] == "acc" and r["task"] == "sf_piqa") == acc
+    predictors = json.loads((ckpt / "predictors.json").read_text())
+    predictors["units"][0]["threshold"] += 1.0
+    (ckpt / "predictors.json").write_text(json.dumps(predictors))
+    assert main([*argv[:3], "piqa,arc_easy", *argv[4:]]) == 0
+    out = capsys.readouterr().out
+    assert out.count("all 2 task(s) reused") == 2 and "sparse: loading" in out and "sparse sf_piqa:" in out and "sparse sf_arc_easy:" in out
+
+
+@pytest.mark.skipif(not (data_root() / "eval" / "mmlu").is_dir(), reason="no local eval data (set SPARSEFORGE_DATA)")
+def test_task_limit_spreads_a_group_over_its_subjects():
+    from sparseforge.eval.report import task_limit
+    from sparseforge.eval.tasks import group_documents
+
+    total = group_documents("sf_mmlu")
+    assert total == sum(1 for line in open(data_root() / "eval" / "mmlu" / "test.jsonl") if line.strip())
+    assert task_limit("sf_piqa", 1000, None) == 1000 and task_limit("sf_piqa", None, None) is None
+    assert task_limit("sf_mmlu", 1000, None) == pytest.approx(1000 / total)
+    assert task_limit("sf_mmlu", total + 5, None) is None
+    with pytest.raises(SparseforgeError, match="--limit must be a positive"):
+        from sparseforge.eval.report import run_eval
+
+        run_eval("/nonexistent", ["piqa"], limit=0)

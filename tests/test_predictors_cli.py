@@ -51,6 +51,18 @@ def test_profile_train_eval_export(tmp_path, text_file, capsys):
     ev = json.loads((ckpt / "predictors.json").read_text())["eval"]
     assert ev["oracle"]["perplexity"] == ev["dense"]["perplexity"] and ev["skip_tokens"] >= 1280
 
+    # calibrate: a lower target predicts fewer neurons; the training target gives back training's thresholds
+    assert main(["predictors", "calibrate", str(ckpt), "--target-recall", "0.8", "--recall-margin", "0", "--no-progress"]) == 0
+    low = json.loads((ckpt / "predictors.json").read_text())
+    assert low["eval"] is None and low["target_recall"] == 0.8 and low["heldout"]["recall"] >= 0.8
+    assert low["heldout"]["predicted_fraction"] < report["heldout"]["predicted_fraction"]
+    assert all(a["threshold"] > b["threshold"] for a, b in zip(low["units"], report["units"]))
+    assert main(["predictors", "calibrate", str(ckpt), "--target-recall", "0.99", "--recall-margin", "0.004", "--no-progress"]) == 0
+    again = json.loads((ckpt / "predictors.json").read_text())
+    assert [u["threshold"] for u in again["units"]] == [u["threshold"] for u in report["units"]]
+    assert again["heldout"] == report["heldout"]
+    assert "held-out recall" in capsys.readouterr().out
+
     out = tmp_path / "powerinfer"
     assert main(["export", str(ckpt), "--format", "powerinfer", "--out", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
@@ -96,6 +108,7 @@ def test_fold_thresholds_moves_every_layer_to_one_threshold():
         (["predictors", "train", "{ckpt}", "--target-recall", "1.5"], "--target-recall must be in (0, 1), got 1.5"),
         (["predictors", "train", "{ckpt}", "--recall-margin", "0.02"], "--recall-margin must be in [0, 1 - --target-recall), got 0.02"),
         (["predictors", "eval", "{ckpt}"], "predictors.json does not exist"),
+        (["predictors", "calibrate", "{ckpt}", "--target-recall", "0.9"], "predictors.json does not exist"),
         (["export", "{ckpt}", "--format", "powerinfer", "--out", "{tmp}/pi"], "profile.json does not exist"),
         (["export", "{moe}", "--format", "powerinfer", "--out", "{tmp}/pi"], "dense Llama/Mistral"),
     ],
@@ -108,7 +121,7 @@ def test_bad_input_is_one_line(tmp_path, text_file, capsys, argv, message):
     moe = _sparse(tmp_path, "mixtral") if "{moe}" in argv else None
     fill = {"{ckpt}": str(ckpt), "{dense}": str(dense), "{moe}": str(moe), "{tmp}/pi": str(tmp_path / "pi")}
     argv = [fill.get(a, a) for a in argv]
-    if "--data" not in argv and argv[0] != "export":
+    if "--data" not in argv and argv[0] != "export" and argv[1] != "calibrate":
         argv += ["--data", str(text_file)]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()

@@ -19,6 +19,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -31,7 +32,7 @@
 #endif
 
 #ifndef SF_PREFETCH
-#define SF_PREFETCH 256 /* elements ahead */
+#define SF_PREFETCH 1 /* software prefetch of the next block's rows while a block is computed (-DSF_PREFETCH=0: none) */
 #endif
 #define SF_INLINE inline __attribute__((always_inline))
 
@@ -141,19 +142,25 @@ static SF_INLINE void axpy(float a, const void *w, float *y, int64_t n, int dtyp
 }
 
 /* out[0..3] = dot(w_j, x) for four rows w_j, j < 4: four independent streams hide memory latency better
- * than one, and x is loaded once for all four. */
-static SF_INLINE void dot4(const void *w0, const void *w1, const void *w2, const void *w3, const float *x, int64_t n, int dtype, float *out) {
+ * than one, and x is loaded once for all four. next: the four rows the caller reads after these (or NULL);
+ * they are prefetched a cache line per row for every cache line read here, so the next block is on its way
+ * while this one is computed. Rows of int8 or 16-bit weights are short (576 bytes for SmolLM2's int8), too
+ * short for the hardware prefetcher to ramp up on: without this, streaming int8 rows ran at half the
+ * bandwidth of float32 ones. */
+static SF_INLINE void dot4(const void *w0, const void *w1, const void *w2, const void *w3, const float *x, int64_t n, int dtype, float *out,
+                           const char *const *next) {
     int64_t i = 0;
     float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
 #if SF_AVX2
+    const int64_t es = ELEM_SIZE[dtype], line = 64 / es;  /* elements per cache line */
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
         __m256 xv = _mm256_loadu_ps(x + i);
-        if (SF_PREFETCH && (i & 15) == 0) {  /* software prefetch (-DSF_PREFETCH=0: none): one cache line per stream per 64 bytes of f32 */
-            _mm_prefetch((const char *)w0 + (i + SF_PREFETCH) * ELEM_SIZE[dtype], _MM_HINT_T0);
-            _mm_prefetch((const char *)w1 + (i + SF_PREFETCH) * ELEM_SIZE[dtype], _MM_HINT_T0);
-            _mm_prefetch((const char *)w2 + (i + SF_PREFETCH) * ELEM_SIZE[dtype], _MM_HINT_T0);
-            _mm_prefetch((const char *)w3 + (i + SF_PREFETCH) * ELEM_SIZE[dtype], _MM_HINT_T0);
+        if (SF_PREFETCH && next && (i & (line - 1)) == 0) {
+            _mm_prefetch(next[0] + i * es, _MM_HINT_T0);
+            _mm_prefetch(next[1] + i * es, _MM_HINT_T0);
+            _mm_prefetch(next[2] + i * es, _MM_HINT_T0);
+            _mm_prefetch(next[3] + i * es, _MM_HINT_T0);
         }
         a0 = _mm256_fmadd_ps(load8(w0, i, dtype), xv, a0);
         a1 = _mm256_fmadd_ps(load8(w1, i, dtype), xv, a1);
@@ -161,6 +168,8 @@ static SF_INLINE void dot4(const void *w0, const void *w1, const void *w2, const
         a3 = _mm256_fmadd_ps(load8(w3, i, dtype), xv, a3);
     }
     s0 = hsum256(a0), s1 = hsum256(a1), s2 = hsum256(a2), s3 = hsum256(a3);
+#else
+    (void)next;
 #endif
     for (; i < n; i++) {
         s0 += load1(w0, i, dtype) * x[i];
@@ -171,27 +180,30 @@ static SF_INLINE void dot4(const void *w0, const void *w1, const void *w2, const
     out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
 }
 
-/* y[0:n] += a[0] w0 + a[1] w1 + a[2] w2 + a[3] w3: four down columns in one pass over y */
-static SF_INLINE void axpy4(const float *a, const void *w0, const void *w1, const void *w2, const void *w3, float *y, int64_t n, int dtype) {
+/* y[0:n] += a[0] w0 + a[1] w1 + a[2] w2 + a[3] w3: four down columns in one pass over y; next: the four
+ * rows read after these (or NULL), prefetched as in dot4 */
+static SF_INLINE void axpy4(const float *a, const void *w0, const void *w1, const void *w2, const void *w3, float *y, int64_t n, int dtype,
+                            const char *const *next) {
     int64_t i = 0;
 #if SF_AVX2
+    const int64_t es = ELEM_SIZE[dtype], line = 64 / es;
     __m256 v0 = _mm256_set1_ps(a[0]), v1 = _mm256_set1_ps(a[1]), v2 = _mm256_set1_ps(a[2]), v3 = _mm256_set1_ps(a[3]);
     for (; i + 8 <= n; i += 8) {
+        if (SF_PREFETCH && next && (i & (line - 1)) == 0) {
+            _mm_prefetch(next[0] + i * es, _MM_HINT_T0);
+            _mm_prefetch(next[1] + i * es, _MM_HINT_T0);
+            _mm_prefetch(next[2] + i * es, _MM_HINT_T0);
+            _mm_prefetch(next[3] + i * es, _MM_HINT_T0);
+        }
         __m256 acc = _mm256_fmadd_ps(v0, load8(w0, i, dtype), _mm256_loadu_ps(y + i));
         acc = _mm256_fmadd_ps(v1, load8(w1, i, dtype), acc);
         acc = _mm256_fmadd_ps(v2, load8(w2, i, dtype), acc);
         _mm256_storeu_ps(y + i, _mm256_fmadd_ps(v3, load8(w3, i, dtype), acc));
     }
+#else
+    (void)next;
 #endif
     for (; i < n; i++) y[i] += a[0] * load1(w0, i, dtype) + a[1] * load1(w1, i, dtype) + a[2] * load1(w2, i, dtype) + a[3] * load1(w3, i, dtype);
-}
-
-static SF_INLINE void prefetch_row(const char *p, int64_t bytes) {
-#if SF_AVX2 && !defined(SF_NO_PREFETCH) /* -DSF_NO_PREFETCH builds without it, to measure what it gains */
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
-#else
-    (void)p, (void)bytes;
-#endif
 }
 
 static SF_INLINE int threads_for(int nthreads, int64_t work) {
@@ -209,8 +221,9 @@ static SF_INLINE void matvec_impl(const void *W, const float *scales, const floa
         int64_t r0 = blk * 4;
         if (nx == 1 && r0 + 4 <= rows) {
             const char *w = base + r0 * row_bytes;
+            const char *next[4] = {w + 4 * row_bytes, w + 5 * row_bytes, w + 6 * row_bytes, w + 7 * row_bytes};
             float d[4];
-            dot4(w, w + row_bytes, w + 2 * row_bytes, w + 3 * row_bytes, x, cols, dtype, d);
+            dot4(w, w + row_bytes, w + 2 * row_bytes, w + 3 * row_bytes, x, cols, dtype, d, r0 + 8 <= rows ? next : NULL);
             for (int k = 0; k < 4; k++) y[r0 + k] = (scales ? scales[r0 + k] : 1.0f) * d[k] + (bias ? bias[r0 + k] : 0.0f);
             continue;
         }
@@ -271,61 +284,84 @@ static SF_INLINE float activation(int act, float g, float u, float t) {
     }
 }
 
+/* Rows `which` of a bundle array in blocks of 4: row `part` (0 gate, 1 up, 2 down) of bundle slots[idx[k]]
+ * for k in [k0, k0 + 4) of a list of m; short blocks repeat their first row (cache hits, weight 0). */
+static SF_INLINE void block_rows(const char *base, int64_t bundle_bytes, int64_t part_off, const int64_t *slots, const int64_t *idx, int64_t k0,
+                                 int64_t m, const char **rows) {
+    int64_t left = m - k0 < 4 ? m - k0 : 4;
+    for (int j = 0; j < 4; j++) {
+        int64_t k = k0 + (j < left ? j : 0);
+        rows[j] = base + slots[idx ? idx[k] : k] * bundle_bytes + part_off;
+    }
+}
+
 /* y[0:H] += out_scale * sum over slots s of act(g_s, u_s) * down_s, bundles [S, 3, H] of `dtype`,
  * scales [S, 3] (int8 only, else NULL). counts[0] += up rows read, counts[1] += neurons that fired
- * (activation != 0, their down columns read). */
+ * (activation != 0, their down columns read).
+ *
+ * Three passes, each over a list known before it starts, so every pass prefetches the rows of its next block
+ * while computing the current one: (1) every slot's gate row; (2) the up rows of the neurons whose gate does
+ * not already zero the activation; (3) the down columns of the neurons that fired, accumulated per thread
+ * and summed into y. A single pass that decided up and down per block of 4 waited on memory twice per block. */
 static SF_INLINE void sparse_mlp_impl(const void *bundles, const float *scales, const int dtype, int64_t hidden, const int64_t *slots,
                                        int64_t n, const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts,
                                        int nthreads) {
+    if (n <= 0) return;
     const char *base = (const char *)bundles;
-    int64_t row_bytes = hidden * ELEM_SIZE[dtype];
-    int64_t fired = 0, ups = 0;
+    const int64_t row_bytes = hidden * ELEM_SIZE[dtype], bundle_bytes = 3 * row_bytes;
+    float *g = malloc(sizeof(float) * (n + 4)), *h = malloc(sizeof(float) * (n + 4));
+    int64_t *live = malloc(sizeof(int64_t) * (n + 4)), *fired = malloc(sizeof(int64_t) * (n + 4));
+    int64_t nl = 0, nf = 0;
     int nt = threads_for(nthreads, n);
-#pragma omp parallel num_threads(nt) reduction(+ : fired, ups)
+#pragma omp parallel num_threads(nt)
     {
+        const char *r[4], *next[4];
+#pragma omp for schedule(dynamic, 8) /* dynamic: on a shared machine a descheduled thread's work moves to the others */
+        for (int64_t k0 = 0; k0 < n; k0 += 4) {
+            float d[4];
+            block_rows(base, bundle_bytes, 0, slots, NULL, k0, n, r);
+            if (k0 + 4 < n) block_rows(base, bundle_bytes, 0, slots, NULL, k0 + 4, n, next);
+            dot4(r[0], r[1], r[2], r[3], x, hidden, dtype, d, k0 + 4 < n ? next : NULL);
+            for (int j = 0; j < 4 && k0 + j < n; j++) g[k0 + j] = scales ? d[j] * scales[3 * slots[k0 + j]] : d[j];
+        }
+#pragma omp single
+        for (int64_t k = 0; k < n; k++)
+            if (!gate_kills(act, g[k], threshold)) live[nl++] = k;
+#pragma omp for schedule(dynamic, 8)
+        for (int64_t k0 = 0; k0 < nl; k0 += 4) {
+            float u[4];
+            block_rows(base, bundle_bytes, row_bytes, slots, live, k0, nl, r);
+            if (k0 + 4 < nl) block_rows(base, bundle_bytes, row_bytes, slots, live, k0 + 4, nl, next);
+            dot4(r[0], r[1], r[2], r[3], x, hidden, dtype, u, k0 + 4 < nl ? next : NULL);
+            for (int j = 0; j < 4 && k0 + j < nl; j++) {
+                int64_t k = live[k0 + j];
+                const float *sc = scales ? scales + 3 * slots[k] : NULL;
+                h[k0 + j] = activation(act, g[k], u[j] * (sc ? sc[1] : 1.0f), threshold) * out_scale * (sc ? sc[2] : 1.0f);
+            }
+        }
+#pragma omp single
+        for (int64_t j = 0; j < nl; j++)
+            if (h[j] != 0.0f) h[nf] = h[j], fired[nf++] = live[j];  /* compacted in place: nf <= j */
         float acc[hidden];
         memset(acc, 0, sizeof(float) * hidden);
         int any = 0;
-        /* blocks of 4 neurons: gate rows, then the up rows the gates let through, then the down columns of
-         * those that fired, each as 4 parallel streams (short lists are padded with a repeated row, which
-         * costs cache hits only, and weight 0). */
-#pragma omp for schedule(dynamic, 8) /* dynamic: on a shared machine a descheduled thread's work moves to the others */
-        for (int64_t i0 = 0; i0 < n; i0 += 4) {
-            int m = n - i0 < 4 ? (int)(n - i0) : 4, live[4], nl = 0, nf = 0;
-            const char *b[4], *r[4];
-            float g[4], u[4], h[4];
-            for (int j = 0; j < 4; j++) b[j] = base + slots[i0 + (j < m ? j : 0)] * 3 * row_bytes;
-            if (i0 + 4 < n) prefetch_row(base + slots[i0 + 4] * 3 * row_bytes, row_bytes);  /* next block's first gate row */
-            dot4(b[0], b[1], b[2], b[3], x, hidden, dtype, g);
-            for (int j = 0; j < m; j++) {
-                if (scales) g[j] *= scales[3 * slots[i0 + j]];
-                if (!gate_kills(act, g[j], threshold)) live[nl++] = j;
-            }
-            if (nl == 0) continue;
-            ups += nl;
-            for (int j = 0; j < 4; j++) r[j] = b[live[j < nl ? j : 0]] + row_bytes;
-            dot4(r[0], r[1], r[2], r[3], x, hidden, dtype, u);
-            for (int j = 0; j < nl; j++) {
-                int k = live[j];
-                const float *sc = scales ? scales + 3 * slots[i0 + k] : NULL;
-                float hk = activation(act, g[k], u[j] * (sc ? sc[1] : 1.0f), threshold);
-                if (hk == 0.0f) continue;
-                h[nf] = hk * out_scale * (sc ? sc[2] : 1.0f);
-                r[nf++] = b[k] + 2 * row_bytes;
-            }
-            if (nf == 0) continue;
-            fired += nf;
+#pragma omp for schedule(dynamic, 8)
+        for (int64_t k0 = 0; k0 < nf; k0 += 4) {
+            float a[4];
+            for (int j = 0; j < 4; j++) a[j] = k0 + j < nf ? h[k0 + j] : 0.0f;
+            block_rows(base, bundle_bytes, 2 * row_bytes, slots, fired, k0, nf, r);
+            if (k0 + 4 < nf) block_rows(base, bundle_bytes, 2 * row_bytes, slots, fired, k0 + 4, nf, next);
+            axpy4(a, r[0], r[1], r[2], r[3], acc, hidden, dtype, k0 + 4 < nf ? next : NULL);
             any = 1;
-            for (int j = nf; j < 4; j++) h[j] = 0.0f, r[j] = r[0];
-            axpy4(h, r[0], r[1], r[2], r[3], acc, hidden, dtype);
         }
         if (any) {
 #pragma omp critical
             for (int64_t k = 0; k < hidden; k++) y[k] += acc[k];
         }
     }
-    counts[0] += ups;
-    counts[1] += fired;
+    counts[0] += nl;
+    counts[1] += nf;
+    free(g), free(h), free(live), free(fired);
 }
 
 void sf_sparse_mlp(const void *bundles, const float *scales, int dtype, int64_t hidden, const int64_t *slots, int64_t n,

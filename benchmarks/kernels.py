@@ -1,0 +1,127 @@
+"""Kernel microbenchmarks: where a decode token's time goes, and how fast the native matvec streams weights.
+
+    python benchmarks/kernels.py --threads 2      # writes benchmarks/results/kernels-t2.{json,md}
+
+1. Streaming matvec: `sf_matvec` on lm_head-shaped matrices ([49152, 576]) of each dtype, six different matrices
+   used round robin so every call reads its weights from DRAM (one matrix alone, 28-113 MB, partly stays in the
+   last-level cache and flatters the kernel), median of --reps calls: GB/s of weights read and GMAC/s.
+2. Decode breakdown: the dReLU SmolLM2 checkpoint decoded greedily in each engine mode and weight dtype, every
+   native call and the lm_head timed per token (ms/token, median token time over --new-tokens steps).
+"""
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import markdown_table, median, setup, write_results  # noqa: E402
+
+CKPT = Path(__file__).resolve().parents[1] / "runs" / "smollm2-135m-drelu-train" / "checkpoint"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
+
+
+def stream_matvec(dtype: torch.dtype, threads: int, reps: int, rows: int = 49152, cols: int = 576, copies: int = 6) -> dict:
+    from sparseforge.runtime import kernels
+
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.int8:
+        ws = [torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=g) for _ in range(copies)]
+    else:
+        ws = [torch.randn(rows, cols, generator=g).to(dtype) for _ in range(copies)]
+    scales = torch.ones(rows) if dtype == torch.int8 else None
+    x = torch.randn(1, cols, generator=g)
+    times = []
+    for k in range(reps + copies):  # the first round warms up
+        start = time.perf_counter()
+        kernels.matvec_native(ws[k % copies], scales, None, x, threads)
+        if k >= copies:
+            times.append(time.perf_counter() - start)
+    t = median(times)
+    nbytes = rows * cols * ws[0].element_size()
+    return {"dtype": str(dtype).removeprefix("torch."), "ms": 1000 * t, "gb_s": nbytes / t / 1e9, "gmac_s": rows * cols / t / 1e9}
+
+
+class Timed:
+    """Wraps a callable; adds its wall time to `totals[name]`."""
+
+    def __init__(self, fn, name: str, totals: dict):
+        self.fn, self.name, self.totals = fn, name, totals
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        self.totals[self.name] += time.perf_counter() - start
+        return out
+
+
+def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens: int) -> dict:
+    from sparseforge.runtime import kernels
+    from sparseforge.runtime.engine import Engine
+
+    engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, threads=threads, progress=False)
+    totals: dict[str, float] = defaultdict(float)
+    lib = engine._row.lib
+    wrapped = {name: Timed(getattr(lib, name), name, totals) for name in ("sf_attention_decode", "sf_rms_norm")}
+    engine._row.lib = type("Lib", (), wrapped)()
+    saved = {name: getattr(kernels, name) for name in ("sparse_mlp_native", "predict_native")}
+    for name, fn in saved.items():
+        setattr(kernels, name, Timed(fn, name, totals))
+    engine.weights.lm_head = Timed(engine.weights.lm_head, "lm_head", totals)
+    try:
+        cache = engine.new_cache(1)
+        engine.forward(torch.randint(0, engine.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0)), cache)
+        token, steps = 1, []
+        totals.clear()
+        for _ in range(new_tokens):
+            start = time.perf_counter()
+            token = int(engine.forward(torch.tensor([[token]]), cache)[0, -1].argmax())
+            steps.append(time.perf_counter() - start)
+    finally:
+        for name, fn in saved.items():
+            setattr(kernels, name, fn)
+    row = {"mode": mode, "dtype": dtype, "tok_s": 1 / median(steps), "ms_token": 1000 * sum(steps) / new_tokens}
+    for name in ("sf_attention_decode", "lm_head", "predict_native", "sparse_mlp_native"):
+        row[name] = 1000 * totals.get(name, 0.0) / new_tokens
+    row["other"] = row["ms_token"] - sum(row[n] for n in ("sf_attention_decode", "lm_head", "predict_native", "sparse_mlp_native"))
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", default=str(CKPT), help="a sparse checkpoint with predictors (default: the trained dReLU SmolLM2)")
+    p.add_argument("--threads", type=int, default=2, help="kernel threads")
+    p.add_argument("--reps", type=int, default=30, help="timed matvec calls per dtype")
+    p.add_argument("--new-tokens", type=int, default=64, help="decode steps per engine")
+    p.add_argument("--modes", nargs="+", default=["dense", "oracle", "sparse"], help="engine modes for the breakdown")
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="weight dtypes")
+    p.add_argument("--out", default=None, help="results name (default kernels-t<threads>)")
+    args = p.parse_args()
+    from sparseforge.runtime import kernels
+
+    if kernels.native() is None:
+        p.error("the native kernels are not available (no C compiler, or SPARSEFORGE_NATIVE=0)")
+    if not (Path(args.ckpt) / "predictors.json").is_file():
+        p.error(f"--ckpt {args.ckpt} has no predictors.json; pass a trained sparse checkpoint")
+    env, bandwidth = setup(args.threads)
+    stream = [stream_matvec(DTYPES[d], args.threads, args.reps) for d in args.dtypes]
+    breakdown = [decode_breakdown(Path(args.ckpt), m, d, args.threads, args.new_tokens) for d in args.dtypes for m in args.modes]
+    t1 = markdown_table(stream, [("dtype", "weights", ""), ("ms", "ms / call", ".2f"), ("gb_s", "GB/s read", ".1f"), ("gmac_s", "GMAC/s", ".1f")])
+    t2 = markdown_table(breakdown, [("dtype", "weights", ""), ("mode", "mode", ""), ("tok_s", "decode tok/s", ".1f"),
+                                    ("sf_attention_decode", "attention ms", ".2f"), ("lm_head", "lm_head ms", ".2f"),
+                                    ("predict_native", "predictor ms", ".2f"), ("sparse_mlp_native", "MLP ms", ".2f"),
+                                    ("other", "other ms", ".2f")])  # fmt: skip
+    table = (f"Streaming `sf_matvec`, [49152, 576], 6 matrices round robin, median of {args.reps} calls:\n\n{t1}\n\n"
+             f"Decode, ms per token ({args.new_tokens} greedy steps after a 64-token prompt):\n\n{t2}\n\n"
+             f"read bandwidth {bandwidth['read_gbs']:.1f} GB/s ({args.threads} threads)")  # fmt: skip
+    command = "python " + " ".join(sys.argv)
+    js, md = write_results(args.out or f"kernels-t{args.threads}", {"environment": env, "bandwidth": bandwidth, "command": command, "stream": stream, "decode": breakdown}, table)
+    print(table)
+    print(f"wrote {js}\nwrote {md}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""benchmarks/decode.py's PowerInfer rows: reading PowerInfer's own log lines, checking --powerinfer/--powerinfer-gguf
+up front, and (when POWERINFER_BIN and POWERINFER_F16_GGUF name a real build and GGUF) one real run of the binary."""
+
+import argparse
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+from sparseforge.errors import SparseforgeError
+
+DECODE = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
+
+# stderr lines of PowerInfer's main (commit d3ebd7c5) on an F16 GGUF of the dReLU SmolLM2-135M, -n 16
+LOG = """llm_load_print_meta: model ftype      = mostly F16
+llm_load_print_meta: sparse_pred_threshold = -3.69
+llm_load_sparse_model_tensors: mem required  =  325.93 MB
+llama_print_timings:        load time =      83.76 ms
+llama_print_timings:      sample time =       1.23 ms /    16 runs   (    0.08 ms per token, 12997.56 tokens per second)
+llama_print_timings: prompt eval time =      87.39 ms /     5 tokens (   17.48 ms per token,    57.21 tokens per second)
+llama_print_timings:        eval time =     557.32 ms /    15 runs   (   37.15 ms per token,    26.91 tokens per second)
+llama_print_timings:       total time =     659.54 ms
+"""
+
+
+@pytest.fixture(scope="module")
+def decode():
+    spec = importlib.util.spec_from_file_location("bench_decode", DECODE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parse_powerinfer_log(decode):
+    log = decode.parse_powerinfer_log(LOG)
+    assert log["ftype"] == "mostly F16"
+    assert log["weight_bytes"] == pytest.approx(325.93 * 2**20)
+    assert log["prompt eval"] == (pytest.approx(0.08739), 5)
+    assert log["eval"] == (pytest.approx(0.55732), 15)
+    assert 15 / log["eval"][0] == pytest.approx(26.91, abs=0.01)  # its own tokens-per-second figure
+    assert "eval" not in decode.parse_powerinfer_log(LOG.replace("       eval time", "  other time"))
+
+
+def args(binary=None, ggufs=()):
+    return argparse.Namespace(powerinfer=binary, powerinfer_gguf=list(ggufs))
+
+
+def test_powerinfer_options_checked_up_front(decode, tmp_path):
+    binary, gguf, plain = tmp_path / "main", tmp_path / "m.gguf", tmp_path / "llama.gguf"
+    binary.write_bytes(b"")
+    gguf.write_bytes(b"PWRI" + bytes(12))
+    plain.write_bytes(b"GGUF" + bytes(12))
+    assert decode.powerinfer_ggufs(args()) == []
+    assert decode.powerinfer_ggufs(args(binary, [f"F16={gguf}", f"Q4_0={gguf}"])) == [("F16", gguf), ("Q4_0", gguf)]
+    bad = {
+        "--powerinfer-gguf needs --powerinfer": args(None, [f"F16={gguf}"]),
+        "no such file; build": args(tmp_path / "nope", [f"F16={gguf}"]),
+        "--powerinfer needs --powerinfer-gguf": args(binary),
+        "LABEL one of": args(binary, [f"BF16={gguf}"]),
+        "give LABEL=PATH": args(binary, [str(gguf)]),
+        "no such file; convert": args(binary, [f"F16={tmp_path / 'none.gguf'}"]),
+        "not a PowerInfer GGUF": args(binary, [f"F16={plain}"]),
+    }
+    for message, a in bad.items():
+        with pytest.raises(SparseforgeError, match=message):
+            decode.powerinfer_ggufs(a)
+
+
+@pytest.mark.skipif(not (os.environ.get("POWERINFER_BIN") and os.environ.get("POWERINFER_F16_GGUF")),
+                    reason="set POWERINFER_BIN and POWERINFER_F16_GGUF (docs/benchmarks.md, PowerInfer side by side)")  # fmt: skip
+def test_powerinfer_real_run(decode):
+    binary, gguf = Path(os.environ["POWERINFER_BIN"]), Path(os.environ["POWERINFER_F16_GGUF"])
+    engine = decode.PowerInfer(binary, gguf, "F16", "The capital of France is", context=64, threads=1)
+    prefill_s, decode_tps, n = engine.run([0] * 5, 4)
+    assert engine.prompt_tokens == 5 and n == 4  # SmolLM2's BPE: 5 tokens, as sparseforge's tokenizer gives
+    assert prefill_s > 0 and decode_tps > 0 and engine.weight_bytes > 0
+    with pytest.raises(SparseforgeError, match="loads it as 'mostly F16'"):
+        decode.PowerInfer(binary, gguf, "Q4_0", "Hi", context=64, threads=1).run([0], 2)
