@@ -10,7 +10,8 @@ All three go through the same `SparseforgeLM` adapter (prefix reuse, batching), 
 the model and the mask. Per task and metric the report gives value ± lm-eval's standard error and, for
 metrics that are means of per-document scores (acc, acc_norm), the delta vs the original on the same
 documents with a paired standard error: d_i = score_i(config) - score_i(original), se = sd(d) / sqrt(n).
-The average row is the mean over tasks of each task's first metric; its delta's se combines the tasks'
+The average row is the mean over tasks of each task's first metric that is a mean of per-document scores
+(acc; tasks with only perplexities, such as wikitext, are left out); its delta's se combines the tasks'
 paired ses as independent (sqrt(sum se^2) / k). Written to CKPT/eval.json (format_version 1).
 """
 
@@ -98,7 +99,7 @@ def build_report(per_config: dict[str, dict], tasks: list[str]) -> dict:
         for config, results in per_config.items():
             docs = per_document(results, task)
             for r in _metric_rows(results, task):
-                row = by_metric.setdefault(r["metric"], {"task": task, "metric": r["metric"], "n": r["n"], "values": {}, "deltas": {}})
+                row = by_metric.setdefault(r["metric"], {"task": task, "metric": r["metric"], "n": r["n"], "mean": r["is_mean"], "values": {}, "deltas": {}})
                 row["values"][config] = {"value": r["value"], "stderr": r["stderr"]}
                 if config != "original" and r["is_mean"] and r["metric"] in base_docs:
                     row["deltas"][config] = paired_delta(docs[r["metric"]], base_docs[r["metric"]])
@@ -107,9 +108,12 @@ def build_report(per_config: dict[str, dict], tasks: list[str]) -> dict:
 
 
 def _average(rows: list[dict], configs: list[str]) -> dict:
+    """Per task its first metric that is a mean of per-document scores (acc, not lambada's perplexity); tasks
+    with none (wikitext) are left out."""
     firsts = {}
     for row in rows:
-        firsts.setdefault(row["task"], row)
+        if row.get("mean", True):
+            firsts.setdefault(row["task"], row)
     picked = list(firsts.values())
     if not picked:
         return {}
@@ -147,7 +151,7 @@ def markdown(report: dict) -> str:
         for c in configs:
             v, d = avg["values"].get(c), avg["deltas"].get(c)
             cells.append("-" if v is None else f"{v:.4f}" + (f" ({d['delta']:+.4f} ± {d['stderr']:.4f})" if d else ""))
-        lines.append("| **average** | first metric | | " + " | ".join(cells) + " |")
+        lines.append("| **average** | first mean metric | | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -223,7 +227,7 @@ def run_eval(
     data_root: str | None = None,
     context: int = 2048,
     progress: bool = True,
-    log=print,
+    log=None,
 ) -> dict:
     """Score `configs` of `ckpt` on the offline `tasks` and write CKPT/eval.json; returns the report.
 
@@ -235,6 +239,7 @@ def run_eval(
     from sparseforge.eval.hf_engine import HFEngine
     from sparseforge.eval.tasks import local_name, write_task_dir
 
+    log = log or (lambda line: print(line, flush=True))  # progress lines show up at once even when piped to a log
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or not configs:
         raise SparseforgeError(f"unknown configuration(s) {unknown or configs}; choose from {', '.join(CONFIGS)}")

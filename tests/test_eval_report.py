@@ -53,6 +53,13 @@ def test_build_report_rows_deltas_and_average():
     assert report["average"]["values"]["sparse"] == 0.25 and report["average"]["deltas"]["sparse"]["delta"] == pytest.approx(-0.5)
     table = markdown({**report, "configs": per_config})
     assert "| sf_x | acc | 4 | 0.7500 ± 0.2500 |" in table and "(-0.5000 ± 0.2887)" in table
+    # a task whose first metric is a perplexity (lambada) averages its acc; a perplexity-only task is left out
+    for results in per_config.values():
+        results["results"]["sf_x"] = dict(reversed(results["results"]["sf_x"].items()))
+        results["results"]["sf_ppl"] = {"word_perplexity,none": 30.0}
+    report = build_report(per_config, ["sf_x", "sf_ppl"])
+    assert report["rows"][0]["metric"] == "perplexity" and report["average"]["metrics"] == ["sf_x:acc"]
+    assert report["average"]["values"]["original"] == 0.75
 
 
 def test_recorded_source_reads_convert_card(tmp_path):
