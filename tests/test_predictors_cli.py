@@ -126,3 +126,21 @@ def test_bad_input_is_one_line(tmp_path, text_file, capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_calibrate_moe(tmp_path, text_file, capsys):
+    """Per-expert thresholds are re-chosen too; experts no held-out token reached keep theirs."""
+    ckpt = _sparse(tmp_path, "mixtral")
+    data = ["--data", str(text_file), "--seq-len", "32", "--no-progress"]
+    assert main(["predictors", "train", str(ckpt), "--tokens", "512", "--heldout-tokens", "256", "--budget", "0.5",
+                 "--max-epochs", "1", "--pilot-rank", "8", "--min-rank", "8", *data]) == 0  # fmt: skip
+    before = json.loads((ckpt / "predictors.json").read_text())
+    assert before["num_experts"] > 1
+    assert main(["predictors", "calibrate", str(ckpt), "--target-recall", "0.5", "--recall-margin", "0", "--no-progress"]) == 0
+    after = json.loads((ckpt / "predictors.json").read_text())
+    assert [(u["layer"], u["expert"]) for u in after["units"]] == [(u["layer"], u["expert"]) for u in before["units"]]
+    moved = [a["threshold"] > b["threshold"] for a, b in zip(after["units"], before["units"]) if b["threshold"] is not None]
+    assert moved and all(moved)
+    assert after["heldout"]["recall"] >= 0.5 and after["heldout"]["predicted_fraction"] < before["heldout"]["predicted_fraction"]
+    predictors = load_predictors(ckpt)  # still loads: thresholds and weights agree
+    assert len(predictors.thresholds) == len(after["units"])
