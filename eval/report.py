@@ -164,14 +164,19 @@ def _fingerprint(paths: list[Path]) -> list:
 
 
 def part_key(ckpt: Path, config: str, task: str, limit, context: int, backend: str, original: str | None) -> dict:
-    """What a part's scores depend on: the task and its sample, the context, and the weights (and predictors) scored."""
+    """What a part's scores depend on: the task and its sample, the context, and the weights (and predictors) scored.
+    For the sparse row that is the predictor weights and thresholds, not the rest of predictors.json, which
+    `predictors eval` rewrites without changing a mask."""
     if config == "original":
         model = {"spec": original}
     else:
         files = sorted(ckpt.glob("model*.safetensors")) + [ckpt / "config.json"]
+        model = {"backend": backend}
         if config == "sparse":
-            files += [ckpt / "predictors.safetensors", ckpt / "predictors.json"]
-        model = {"files": _fingerprint(files), "backend": backend}
+            files.append(ckpt / "predictors.safetensors")
+            units = json.loads((ckpt / "predictors.json").read_text()).get("units", [])
+            model["thresholds"] = [[u["layer"], u["expert"], u["threshold"]] for u in units]
+        model["files"] = _fingerprint(files)
     return {"task": task, "limit": limit, "context": context, "model": model}
 
 
