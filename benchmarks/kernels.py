@@ -18,9 +18,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, median, setup, write_results  # noqa: E402
+from common import DEFAULT_CKPT, markdown_table, median, setup, write_results  # noqa: E402
 
-CKPT = Path(__file__).resolve().parents[1] / "runs" / "smollm2-135m-drelu-train" / "checkpoint"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
 
 
@@ -92,7 +91,7 @@ def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", default=str(CKPT), help="a sparse checkpoint with predictors (default: the trained dReLU SmolLM2)")
+    p.add_argument("--ckpt", default=str(DEFAULT_CKPT), help="a sparse checkpoint with predictors (default: the trained dReLU SmolLM2)")
     p.add_argument("--threads", type=int, default=2, help="kernel threads")
     p.add_argument("--reps", type=int, default=30, help="timed matvec calls per dtype")
     p.add_argument("--new-tokens", type=int, default=64, help="decode steps per engine")

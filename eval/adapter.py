@@ -134,9 +134,9 @@ class SparseforgeLM(TemplateLM):
     def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
-    def _forward(self, ids: torch.Tensor, cache, last_only: bool = False, logits_from: int = 0) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, cache, logits_from: int = 0) -> torch.Tensor:
         start = time.perf_counter()
-        logits = self.engine.forward(ids, cache, last_only=last_only, logits_from=logits_from)
+        logits = self.engine.forward(ids, cache, logits_from=logits_from)
         self.timing["seconds"] += time.perf_counter() - start
         self.timing["forward_tokens"] += ids.numel()
         return logits
@@ -154,7 +154,7 @@ class SparseforgeLM(TemplateLM):
     def _shared_prefix(self, prefix: list[int], conts: list[list[int]]) -> list[tuple[float, bool]]:
         """Continuations of one prefix: the prefix once, then the continuations as forks of its cache."""
         cache = self.engine.new_cache(1, len(prefix) + max(len(c) for c in conts) - 1)  # the KV these requests fill
-        first = self._forward(torch.tensor([prefix]), cache, last_only=True)[0, -1]  # [V]: predicts each continuation's first token
+        first = self._forward(torch.tensor([prefix]), cache, logits_from=-1)[0, -1]  # [V]: predicts each continuation's first token
         out = []
         for start in range(0, len(conts), self.batch_size):
             chunk = conts[start : start + self.batch_size]
@@ -230,7 +230,7 @@ class SparseforgeLM(TemplateLM):
     def _greedy(self, ids: list[int], max_new: int, until: list[str]) -> list[int]:
         """Greedy continuation of ids (at most max_new tokens), stopped at a stop id or once a stop string appears."""
         cache, out = self.engine.new_cache(1, min(self.max_length, len(ids) + max_new)), []
-        logits = self._forward(torch.tensor([ids]), cache, last_only=True)[0, -1]
+        logits = self._forward(torch.tensor([ids]), cache, logits_from=-1)[0, -1]
         for _ in range(max_new):
             token = int(logits.argmax())
             if token in self.stop_ids:

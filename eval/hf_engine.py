@@ -1,6 +1,6 @@
 """The engine interface of `sparseforge.runtime.engine` over an in-memory transformers model.
 
-The lm-eval adapter speaks to an engine through four calls: `new_cache(batch)`, `forward(ids, cache, last_only)`,
+The lm-eval adapter speaks to an engine through four calls: `new_cache(batch)`, `forward(ids, cache, logits_from)`,
 `cache.fork(n)` and `cache.length` (plus `tokenizer`, `config`, `context`). `HFEngine` answers them with
 the plain transformers forward and a `DynamicCache`, and applies the same MLP modes as the runtime through
 `predictors.mask.masked_mlps` ("oracle": exact firing mask, "sparse": the predictors' mask, "dense": none).
@@ -87,15 +87,15 @@ class HFEngine:
         return masked_mlps(self.model, "oracle" if self.mode == "oracle" else "predicted", self.predictors)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: HFCache, last_only: bool = False, logits_from: int = 0) -> torch.Tensor:
-        """ids: LongTensor [B, T] appended to `cache` (B = cache.batch) -> logits float32 [B, T, V]
-        ([B, 1, V] of the last position when last_only; [B, T - logits_from, V] of positions logits_from.. otherwise)."""
+    def forward(self, ids: torch.Tensor, cache: HFCache, logits_from: int = 0) -> torch.Tensor:
+        """ids: LongTensor [B, T] appended to `cache` (B = cache.batch) -> logits float32 of positions logits_from..
+        (a negative value counts from the end, as in Engine.forward)."""
         if ids.shape[0] != cache.batch:
             raise SparseforgeError(f"forward got {ids.shape[0]} rows for a cache of batch {cache.batch}")
         if cache.length + ids.shape[1] > self.context:
             raise SparseforgeError(f"{cache.length + ids.shape[1]} tokens exceed the engine context {self.context}; raise context")
         with self._masks():
-            out = self.model(input_ids=ids, past_key_values=cache.kv, use_cache=True, logits_to_keep=1 if last_only else ids.shape[1] - logits_from)
+            out = self.model(input_ids=ids, past_key_values=cache.kv, use_cache=True, logits_to_keep=-logits_from if logits_from < 0 else ids.shape[1] - logits_from)
         return out.logits.float()
 
     def stop_ids(self) -> tuple[int, ...]:

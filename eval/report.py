@@ -220,6 +220,32 @@ def task_limit(task: str, limit: int | None, data_root: str | Path | None) -> in
     return None if limit >= total else limit / total
 
 
+def _reusable_parts(parts_dir: Path, config: str, keys: dict[str, dict]) -> tuple[dict[str, dict], list[str]]:
+    """(parts whose key still matches, tasks to score) for one row."""
+    parts = {}
+    for task, key in keys.items():
+        path = parts_dir / f"{config}.{task}.json"
+        part = json.loads(path.read_text()) if path.is_file() else None
+        if part is not None and part.get("key") == key:
+            parts[task] = part
+    return parts, [t for t in keys if t not in parts]
+
+
+def _row_engine(config: str, ckpt: Path, original: str, backend: str, context: int, threads: int | None, progress: bool):
+    """The engine one row is scored with: the dense original through transformers, else the checkpoint in
+    engine mode `config` (oracle, sparse)."""
+    from sparseforge.eval.adapter import load_engine
+    from sparseforge.eval.hf_engine import HFEngine
+
+    if config != "original":
+        return load_engine(str(ckpt), config, backend, "float32", context, threads, progress)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    return HFEngine.load(original, mode="dense", context=context)
+
+
 def run_eval(
     ckpt: str | Path,
     tasks: list[str],
@@ -239,9 +265,8 @@ def run_eval(
     Each (configuration, task) is written to CKPT/eval-parts/ as soon as it is scored and reused by later
     runs while its key (task, limit, context, weights) matches, so an interrupted eval loses at most the task
     it was in, and a report over more tasks or rows scores only what is new."""
-    from sparseforge.eval.adapter import SparseforgeLM, load_engine
+    from sparseforge.eval.adapter import SparseforgeLM
     from sparseforge.eval.harness import run_tasks
-    from sparseforge.eval.hf_engine import HFEngine
     from sparseforge.eval.tasks import local_name, write_task_dir
 
     log = log or (lambda line: print(line, flush=True))  # progress lines show up at once even when piped to a log
@@ -254,6 +279,7 @@ def run_eval(
     if "sparse" in configs and not (ckpt / "predictors.json").is_file():
         raise SparseforgeError(f"{ckpt} has no predictors.json for the 'sparse' row; run `sparseforge predictors train {ckpt}` or pass --configs original,oracle")
     names = list(dict.fromkeys(local_name(t) for t in tasks))
+    limits = {t: task_limit(t, limit, data_root) for t in names}
     original = original or (recorded_source(ckpt) if "original" in configs else None)
     parts_dir = ckpt / PARTS_DIR
     parts_dir.mkdir(exist_ok=True)
@@ -261,52 +287,26 @@ def run_eval(
     with tempfile.TemporaryDirectory(prefix="sparseforge-tasks-") as tmp:
         task_dir = write_task_dir(data_root, tmp, names)
         for k, config in enumerate(configs, 1):
+            model = original if config == "original" else str(ckpt)
             keys = {t: part_key(ckpt, config, t, limit, context, backend, original) for t in names}
-            parts, todo = {}, []
-            for t in names:
-                path = parts_dir / f"{config}.{t}.json"
-                part = json.loads(path.read_text()) if path.is_file() else None
-                if part is not None and part.get("key") == keys[t]:
-                    parts[t] = part
-                else:
-                    todo.append(t)
-            if todo:
-                log(f"[{k}/{len(configs)}] {config}: loading {original if config == 'original' else ckpt} for {', '.join(todo)}"
-                    + (f" ({len(parts)} task(s) reused from {parts_dir})" if parts else ""))  # fmt: skip
-                if config == "original":
-                    if threads:
-                        import torch
-
-                        torch.set_num_threads(threads)
-                    engine = HFEngine.load(original, mode="dense", context=context)
-                else:
-                    engine = load_engine(str(ckpt), config, backend, "float32", context, threads, progress)
-                for t in todo:
-                    lm = SparseforgeLM(engine=engine, batch_size=batch_size, progress=progress)
-                    start = time.perf_counter()
-                    results = run_tasks(lm, [t], task_dir, limit=task_limit(t, limit, data_root), log_samples=True)
-                    run = {
-                        "model": original if config == "original" else str(ckpt),
-                        "engine": engine.stats(),
-                        "wall_seconds": time.perf_counter() - start,
-                        "forward_seconds": lm.timing["seconds"],
-                        "forward_tokens": lm.timing["forward_tokens"],
-                    }
-                    parts[t] = {"key": keys[t], "run": run, **_trim(results, t)}
-                    atomic_write_text(parts_dir / f"{config}.{t}.json", json.dumps(parts[t]) + "\n")
-                    log(f"[{k}/{len(configs)}] {config} {t}: {run['wall_seconds']:.0f} s, {run['forward_tokens']} tokens through the model")
-                del engine
-            else:
-                log(f"[{k}/{len(configs)}] {config}: all {len(names)} task(s) reused from {parts_dir}")
+            parts, todo = _reusable_parts(parts_dir, config, keys)
+            reused = f" ({len(parts)} task(s) reused from {parts_dir})" if parts else ""
+            log(f"[{k}/{len(configs)}] {config}: " + (f"loading {model} for {', '.join(todo)}{reused}" if todo else f"all {len(names)} task(s) reused from {parts_dir}"))
+            engine = _row_engine(config, ckpt, original, backend, context, threads, progress) if todo else None
+            for t in todo:
+                lm = SparseforgeLM(engine=engine, batch_size=batch_size, progress=progress)
+                start = time.perf_counter()
+                results = run_tasks(lm, [t], task_dir, limit=limits[t], log_samples=True)
+                run = {"model": model, "engine": engine.stats(), "wall_seconds": time.perf_counter() - start,
+                       "forward_seconds": lm.timing["seconds"], "forward_tokens": lm.timing["forward_tokens"]}  # fmt: skip
+                parts[t] = {"key": keys[t], "run": run, **_trim(results, t)}
+                atomic_write_text(parts_dir / f"{config}.{t}.json", json.dumps(parts[t]) + "\n")
+                log(f"[{k}/{len(configs)}] {config} {t}: {run['wall_seconds']:.0f} s, {run['forward_tokens']} tokens through the model")
+            del engine
             per_config[config] = _merge([parts[t] for t in names])
             done = [parts[t]["run"] for t in names]
-            runs[config] = {
-                "model": original if config == "original" else str(ckpt),
-                "engine": done[-1]["engine"],
-                "wall_seconds": sum(r["wall_seconds"] for r in done),
-                "forward_seconds": sum(r["forward_seconds"] for r in done),
-                "forward_tokens": sum(r["forward_tokens"] for r in done),
-            }
+            runs[config] = {"model": model, "engine": done[-1]["engine"],
+                            **{key: sum(r[key] for r in done) for key in ("wall_seconds", "forward_seconds", "forward_tokens")}}  # fmt: skip
     report = {"tasks": names, "limit": limit, "original": original, "configs": runs, **build_report(per_config, names)}
     write_artifact(ckpt, "eval", report, EVAL_FORMAT_VERSION)
     return {"format_version": EVAL_FORMAT_VERSION, **report}

@@ -46,7 +46,7 @@ def _one_run(engine, ids: torch.Tensor, decode_tokens: int) -> tuple[float, floa
     """(prefill tokens/s, decode tokens/s) of one prefill + greedy decode from a fresh cache."""
     cache = engine.new_cache(1)
     start = time.perf_counter()
-    logits = engine.forward(ids, cache, last_only=True)[0, -1]
+    logits = engine.forward(ids, cache, logits_from=-1)[0, -1]
     prefilled = time.perf_counter()
     for _ in range(decode_tokens):
         logits = engine.forward(logits.argmax().view(1, 1), cache)[0, -1]

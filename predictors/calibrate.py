@@ -41,3 +41,8 @@ def rates(counts: dict[str, int]) -> dict[str, float]:
         "predicted_fraction": (tp + fp) / total if total else nan,
         "true_fraction": (tp + fn) / total if total else nan,
     }
+
+
+def total_counts(counts: list[dict[str, int]]) -> dict[str, int]:
+    """Confusion counts summed over units."""
+    return {k: sum(c.get(k, 0) for c in counts) for k in ("tp", "fp", "fn", "tn")}

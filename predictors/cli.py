@@ -127,21 +127,27 @@ def profile_command(args) -> int:
     return 0
 
 
+def _check_recall(target: float, margin: float) -> None:
+    from sparseforge.errors import SparseforgeError
+
+    if not 0 < target < 1:
+        raise SparseforgeError(f"--target-recall must be in (0, 1), got {target}")
+    if not 0 <= margin < 1 - target:
+        raise SparseforgeError(f"--recall-margin must be in [0, 1 - --target-recall), got {margin}")
+
+
 def train_command(args) -> int:
     from dataclasses import asdict
 
     from sparseforge.errors import SparseforgeError
     from sparseforge.families import num_experts
-    from sparseforge.predictors.calibrate import rates
+    from sparseforge.predictors.calibrate import rates, total_counts
     from sparseforge.predictors.collect import collect_pairs
     from sparseforge.predictors.fit import FitConfig, calibration_recall, fit_all
     from sparseforge.predictors.store import save_predictors
 
     check_positive(heldout_tokens=args.heldout_tokens, cap=args.cap, budget=args.budget, lr=args.lr, train_batch_size=args.train_batch_size, max_epochs=args.max_epochs, patience=args.patience, pilot_rank=args.pilot_rank, pilot_epochs=args.pilot_epochs, pilot_rows=args.pilot_rows, min_rank=args.min_rank)
-    if not 0 < args.target_recall < 1:
-        raise SparseforgeError(f"--target-recall must be in (0, 1), got {args.target_recall}")
-    if not 0 <= args.recall_margin < 1 - args.target_recall:
-        raise SparseforgeError(f"--recall-margin must be in [0, 1 - --target-recall), got {args.recall_margin}")
+    _check_recall(args.target_recall, args.recall_margin)
     start = time.perf_counter()
     model, windows, patterns, source = _setup(args)
     cfg = FitConfig(args.budget, args.target_recall, args.lr, args.train_batch_size, args.max_epochs, args.patience, pilot_rank=args.pilot_rank, pilot_epochs=args.pilot_epochs, pilot_rows=args.pilot_rows, recall_margin=args.recall_margin, min_rank=args.min_rank)
@@ -152,12 +158,12 @@ def train_command(args) -> int:
     fitted = fit_all(sets, 3 * h * width, cfg, progress=not args.no_progress)
     mlp_params = 3 * h * width * len(fitted)
     pred_params = sum(u.stats["params"] for u in fitted)
-    totals = {k: sum(u.stats.get("heldout_counts", {}).get(k, 0) for u in fitted) for k in ("tp", "fp", "fn", "tn")}
+    totals = total_counts([u.stats.get("heldout_counts", {}) for u in fitted])
     report = {
         "activation": model.config.sparsity["activation"], "data": patterns, "text_field": args.text_field, "seq_len": args.seq_len,
         "train_tokens": sets.train_tokens, "heldout_tokens": sets.heldout_tokens,
         "num_experts": num_experts(model.config), "hidden_size": h, "intermediate_size": width,
-        "target_recall": args.target_recall, "calibration_recall": calibration_recall(cfg), "budget": args.budget,
+        "target_recall": args.target_recall, "calibration_recall": calibration_recall(args.target_recall, args.recall_margin), "budget": args.budget,
         "mlp_params": mlp_params, "predictor_params": pred_params, "params_fraction": pred_params / mlp_params,
         "fit": asdict(cfg), "heldout": rates(totals), "eval": None,
     }  # fmt: skip
@@ -179,18 +185,15 @@ def calibrate_command(args) -> int:
 
     from sparseforge.checkpoint import write_artifact
     from sparseforge.errors import SparseforgeError
-    from sparseforge.predictors.calibrate import rates
+    from sparseforge.predictors.calibrate import rates, total_counts
     from sparseforge.predictors.collect import collect_pairs, skip_tokens
-    from sparseforge.predictors.fit import calibrate_unit
+    from sparseforge.predictors.fit import calibrate_unit, calibration_recall
     from sparseforge.predictors.store import PREDICTORS_FORMAT_VERSION, load_predictors
 
     predictors = load_predictors(args.ckpt)
     report = predictors.report
     margin = report["fit"]["recall_margin"] if args.recall_margin is None else args.recall_margin
-    if not 0 < args.target_recall < 1:
-        raise SparseforgeError(f"--target-recall must be in (0, 1), got {args.target_recall}")
-    if not 0 <= margin < 1 - args.target_recall:
-        raise SparseforgeError(f"--recall-margin must be in [0, 1 - --target-recall), got {margin}")
+    _check_recall(args.target_recall, margin)
     start = time.perf_counter()
     stream = Namespace(**vars(args), data=report["data"], text_field=report.get("text_field", "text"), seq_len=report["seq_len"], tokens=report["heldout_tokens"])
     model, windows, _, source = _setup(stream)
@@ -198,8 +201,7 @@ def calibrate_command(args) -> int:
     sets = collect_pairs(model, skip_tokens(windows, report["train_tokens"]), 0, held, 1, held, args.batch_size, not args.no_progress)
     if sets.heldout_tokens < held:
         raise SparseforgeError(f"the data gave {sets.heldout_tokens} of the {held} held-out tokens training used; is --data the same as in training ({report['data']})?")
-    target = min(args.target_recall + margin, 1.0 - 1e-6)
-    totals = {k: 0 for k in ("tp", "fp", "fn", "tn")}
+    target = calibration_recall(args.target_recall, margin)
     units = []
     for unit in report["units"]:
         model_u = predictors.predictors[(unit["layer"], unit["expert"])]
@@ -209,8 +211,7 @@ def calibrate_command(args) -> int:
             continue
         threshold, counts = calibrate_unit(model_u, val, target)
         units.append({**unit, "threshold": threshold, "heldout": rates(counts), "heldout_counts": counts})
-        for k in totals:
-            totals[k] += counts[k]
+    totals = total_counts([u.get("heldout_counts", {}) for u in units])
     before = report["heldout"]
     record = {k: v for k, v in report.items() if k != "format_version"}
     record.update(units=units, target_recall=args.target_recall, calibration_recall=target, heldout=rates(totals), eval=None)

@@ -118,9 +118,9 @@ def calibrate_unit(model: LowRankPredictor, val: Reservoir, target: float) -> tu
     return t, confusion(scores, fired, t)
 
 
-def calibration_recall(cfg: FitConfig) -> float:
+def calibration_recall(target: float, margin: float) -> float:
     """The held-out recall thresholds are calibrated to: the target plus the margin, below 1."""
-    return min(cfg.target_recall + cfg.recall_margin, 1.0 - 1e-6)
+    return min(target + margin, 1.0 - 1e-6)
 
 
 def fit_all(sets: PairSets, mlp_params_per_unit: int, cfg: FitConfig, progress: bool = True) -> list[FittedUnit]:
@@ -145,7 +145,7 @@ def fit_all(sets: PairSets, mlp_params_per_unit: int, cfg: FitConfig, progress: 
             fitted.append(FittedUnit(i, e, None, float("-inf"), {"rank": 0, "params": 0, "train_rows": train.size, "heldout_rows": val.size}))
             continue
         model, record = train_unit(train, val, ranks[(i, e)], cfg)
-        threshold, counts = calibrate_unit(model, val, calibration_recall(cfg))
+        threshold, counts = calibrate_unit(model, val, calibration_recall(cfg.target_recall, cfg.recall_margin))
         stats = {
             "rank": ranks[(i, e)],
             "params": predictor_params(hidden, width, ranks[(i, e)]),

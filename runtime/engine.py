@@ -140,9 +140,9 @@ class Engine:
     # -- forward -------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False, logits_from: int = 0) -> torch.Tensor:
-        """ids [B, T] -> float32 logits [B, T - logits_from, V] of positions logits_from.. ([B, 1, V] of the last
-        position when last_only); appends the T positions to `cache`."""
+    def forward(self, ids: torch.Tensor, cache: KVCache, logits_from: int = 0) -> torch.Tensor:
+        """ids [B, T] -> float32 logits of positions logits_from.. ([B, T - logits_from, V]; a negative value counts
+        from the end, -1: the last position only); appends the T positions to `cache`."""
         ids = torch.as_tensor(ids, dtype=torch.long)
         if ids.dim() != 2:
             raise SparseforgeError(f"ids must be [batch, tokens], got shape {tuple(ids.shape)}")
@@ -165,7 +165,7 @@ class Engine:
             x = x + attention(rms_norm(x, lw.input_norm, eps), lw, self.shape, i, cache, self.cos, self.sin)
             resid = x.reshape(B * T, -1)  # [N, H]
             x = x + self._mlp(i, lw, rms_norm(resid, lw.post_norm, eps), resid).view(B, T, -1)
-        x = x[:, -1:] if last_only else x[:, logits_from:]
+        x = x[:, logits_from:]
         x = rms_norm(x, self.weights.final_norm, eps)
         logits = self.weights.lm_head(x.reshape(-1, x.shape[-1])).view(B, x.shape[1], -1)
         self._account(B, T, start, cache)
@@ -357,7 +357,7 @@ class Engine:
         stop = set(self.stop_ids() if config.stop_ids is None else config.stop_ids)
         generator = make_generator(config.seed)
         cache = self.new_cache(1)
-        logits = self.forward(ids, cache, last_only=True)[0, -1]
+        logits = self.forward(ids, cache, logits_from=-1)[0, -1]
         for step in range(config.max_new_tokens):
             token = sample(logits, config, generator)
             yield token

@@ -39,7 +39,7 @@ _int = ctypes.c_int
 _SIGNATURES = {
     "sf_matvec": (None, [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p, _int]),
     "sf_predict": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _i64, _p, _f32, _p, _p, _int]),
-    "sf_sparse_mlp": (None, [_p, _p, _int, _i64, _p, _i64, _p, _int, _f32, _f32, _p, _p, _int]),
+    "sf_sparse_mlp": (_int, [_p, _p, _int, _i64, _p, _i64, _p, _int, _f32, _f32, _p, _p, _int]),
     "sf_attention_decode": (None, [_p, _p, _p, _p, _f32, _i64, _p, _p, _p, _p, _p, _p, _int, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _int]),
     "sf_rms_norm": (None, [_p, _p, _f32, _i64, _p]),
     "sf_has_avx2": (_int, []),
@@ -168,10 +168,12 @@ def sparse_mlp_native(bundles: torch.Tensor, scales: torch.Tensor | None, slots:
     contiguous); bundles [S, 3, H]. counts (int64 [2]) += (up rows read, neurons fired = down columns read):
     a neuron whose gate already zeroes the activation reads neither."""
     slots = slots if slots.dtype == torch.long and slots.is_contiguous() else slots.long().contiguous()
-    native().sf_sparse_mlp(
+    rc = native().sf_sparse_mlp(
         bundles.data_ptr(), ptr(scales), DTYPE_CODES[bundles.dtype], bundles.shape[-1], slots.data_ptr(), slots.numel(),
         x.data_ptr(), ACT_CODES[activation.kind], activation.threshold, out_scale, y.data_ptr(), counts.data_ptr(), threads,
     )
+    if rc != 0:
+        raise MemoryError(f"sf_sparse_mlp could not allocate its lists for {slots.numel()} neurons")
 
 
 def sparse_mlp_torch(bundles: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor, activation: GatedActivation,

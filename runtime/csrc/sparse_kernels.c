@@ -284,8 +284,9 @@ static SF_INLINE float activation(int act, float g, float u, float t) {
     }
 }
 
-/* Rows `which` of a bundle array in blocks of 4: row `part` (0 gate, 1 up, 2 down) of bundle slots[idx[k]]
- * for k in [k0, k0 + 4) of a list of m; short blocks repeat their first row (cache hits, weight 0). */
+/* One block of 4 rows: the row at byte offset part_off (0 gate, row_bytes up, 2 row_bytes down) of bundle
+ * slots[idx[k]] (slots[k] when idx is NULL) for k in [k0, k0 + 4) of a list of m; a short block repeats its
+ * first row (cache hits, weight 0). */
 static SF_INLINE void block_rows(const char *base, int64_t bundle_bytes, int64_t part_off, const int64_t *slots, const int64_t *idx, int64_t k0,
                                  int64_t m, const char **rows) {
     int64_t left = m - k0 < 4 ? m - k0 : 4;
@@ -303,15 +304,19 @@ static SF_INLINE void block_rows(const char *base, int64_t bundle_bytes, int64_t
  * while computing the current one: (1) every slot's gate row; (2) the up rows of the neurons whose gate does
  * not already zero the activation; (3) the down columns of the neurons that fired, accumulated per thread
  * and summed into y. A single pass that decided up and down per block of 4 waited on memory twice per block. */
-static SF_INLINE void sparse_mlp_impl(const void *bundles, const float *scales, const int dtype, int64_t hidden, const int64_t *slots,
+static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, const int dtype, int64_t hidden, const int64_t *slots,
                                        int64_t n, const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts,
                                        int nthreads) {
-    if (n <= 0) return;
+    if (n <= 0) return 0;
     const char *base = (const char *)bundles;
     const int64_t row_bytes = hidden * ELEM_SIZE[dtype], bundle_bytes = 3 * row_bytes;
     float *g = malloc(sizeof(float) * (n + 4)), *h = malloc(sizeof(float) * (n + 4));
     int64_t *live = malloc(sizeof(int64_t) * (n + 4)), *fired = malloc(sizeof(int64_t) * (n + 4));
     int64_t nl = 0, nf = 0;
+    if (!g || !h || !live || !fired) {
+        free(g), free(h), free(live), free(fired);
+        return -1;
+    }
     int nt = threads_for(nthreads, n);
 #pragma omp parallel num_threads(nt)
     {
@@ -362,12 +367,16 @@ static SF_INLINE void sparse_mlp_impl(const void *bundles, const float *scales, 
     counts[0] += nl;
     counts[1] += nf;
     free(g), free(h), free(live), free(fired);
+    return 0;
 }
 
-void sf_sparse_mlp(const void *bundles, const float *scales, int dtype, int64_t hidden, const int64_t *slots, int64_t n,
-                   const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts, int nthreads) {
-#define SF_SPARSE_MLP(DT) sparse_mlp_impl(bundles, scales, DT, hidden, slots, n, x, act, threshold, out_scale, y, counts, nthreads)
+/* 0, or -1 when its scratch lists (4 x n entries) could not be allocated (nothing is added to y then) */
+int sf_sparse_mlp(const void *bundles, const float *scales, int dtype, int64_t hidden, const int64_t *slots, int64_t n,
+                  const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts, int nthreads) {
+    int rc = 0;
+#define SF_SPARSE_MLP(DT) rc = sparse_mlp_impl(bundles, scales, DT, hidden, slots, n, x, act, threshold, out_scale, y, counts, nthreads)
     SF_DISPATCH(SF_SPARSE_MLP)
+    return rc;
 }
 
 static void rms_norm(const float *x, const float *w, float eps, int64_t n, float *out) {
