@@ -41,7 +41,7 @@ class Tiered:
 
     def _counts(self):
         s = self.store.stats()
-        return s["hot_hits"] + s["cache_hits"], s["neurons"], s["bytes_read"]
+        return s["hot_hits"] + s["cache_hits"], s["neurons"], s["bytes_read"], s["records_read"] * self.store.file.record, s["io_seconds"]
 
     def run(self, ids, n):
         from sparseforge.runtime.engine import GenerationConfig
@@ -56,8 +56,9 @@ class Tiered:
         out = {"prefill_s": first - start, "decode_tps": rest / (end - first)}
         if self.store:
             after = self._counts()
-            hits, neurons, read = (a - b for a, b in zip(after, before))
-            out.update(hit_rate=hits / max(neurons, 1), bytes_read_per_token=read / rest)
+            hits, neurons, read, records, io = (a - b for a, b in zip(after, before))
+            out.update(hit_rate=hits / max(neurons, 1), bytes_read_per_token=read / rest, record_bytes_per_token=records / rest,
+                       io_s_per_token=io / rest)  # fmt: skip
         return out
 
     def close(self):
@@ -81,6 +82,33 @@ class Offload:
     def close(self):
         del self.hf
         self.folder.cleanup()
+
+
+def read_bandwidth(path: Path, sizes=(256 * 1024, 1024 * 1024), total: int = 256 * 1024 * 1024, seed: int = 0) -> dict:
+    """The device's read speed for the bundle file as the store reads it: O_DIRECT (else buffered) positional
+    reads of `size` bytes at random 4 KiB-aligned offsets, one thread, `total` bytes per size. {size: GB/s}."""
+    import mmap
+    import os
+    import random
+
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    try:
+        fd, mode = os.open(path, flags), "direct"
+    except OSError:
+        fd, mode = os.open(path, os.O_RDONLY), "buffered"
+    try:
+        end, rng, out = os.fstat(fd).st_size, random.Random(seed), {"io": mode}
+        for size in sizes:
+            buf, n = mmap.mmap(-1, size), max(4, total // size)
+            offsets = [rng.randrange(0, max(end - size, 1)) // 4096 * 4096 for _ in range(n)]
+            start = time.perf_counter()
+            for off in offsets:
+                os.preadv(fd, [buf], off)
+            out[str(size)] = n * size / (time.perf_counter() - start) / 1e9
+            buf.close()
+        return out
+    finally:
+        os.close(fd)
 
 
 def main() -> None:
@@ -114,6 +142,8 @@ def main() -> None:
         for c in contestants:
             runs[id(c)].append(c.run(ids, args.hf_new_tokens if isinstance(c, Offload) else args.new_tokens))
             print(f"rep {rep}: {c.name}: {runs[id(c)][-1]}", file=sys.stderr, flush=True)
+    disk = read_bandwidth(contestants[1].store.file.path) if len(contestants) > 1 and isinstance(contestants[1], Tiered) else None
+    device_gbs = max(v for k, v in disk.items() if k != "io") if disk else None
     rows = []
     for c in contestants:
         r = runs[id(c)]
@@ -123,20 +153,32 @@ def main() -> None:
                "budget_bytes": plans[c.budget]["budget_bytes"] if c.budget else None, "resident_mlp_bytes": getattr(c, "resident", None),
                "expected_hit_rate": plans[c.budget]["expected_hit_rate"] if c.budget else None, "decode_all": [x["decode_tps"] for x in r]}  # fmt: skip
         row["mb_read_per_token"] = row["bytes_read_per_token"] / 1e6 if row["bytes_read_per_token"] is not None else None
+        if isinstance(c, Tiered) and c.store:
+            row["record_mb_per_token"] = median([x["record_bytes_per_token"] for x in r]) / 1e6
+            row["io_s_per_token"] = median([x["io_s_per_token"] for x in r])
+            row["read_gbs"] = row["bytes_read_per_token"] / row["io_s_per_token"] / 1e9 if row["io_s_per_token"] else None
         rows.append(row)
     resident = rows[0]["decode_tps"]
     for row in rows:
         row["vs_resident"] = row["decode_tps"] / resident
+        if row.get("record_mb_per_token") is not None and device_gbs:  # the missed records at the device's best speed,
+            io_s = row["record_mb_per_token"] / 1e3 / device_gbs  # fully overlapped with the resident engine's compute
+            row["ceiling_tps"] = 1 / max(1 / resident, io_s)
         hf = next((h for h in rows if h["budget"] == row["budget"] and h["engine"].startswith("HF")), None)
         row["vs_hf_offload"] = row["decode_tps"] / hf["decode_tps"] if hf and not row["engine"].startswith("HF") else None
     for c in contestants:
         c.close()
-    data = {"command": "python " + " ".join(sys.argv), "environment": env, "bandwidth": bandwidth, "rows": rows,
+    data = {"command": "python " + " ".join(sys.argv), "environment": env, "bandwidth": bandwidth, "disk_read_gbs": disk, "rows": rows,
             "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "hf_new_tokens": args.hf_new_tokens, "reps": args.reps}  # fmt: skip
     cols = [("engine", "engine", ""), ("budget_bytes", "budget bytes", ","), ("decode_tps", "decode tok/s", ".2f"), ("vs_resident", "÷ resident", ".2f"),
             ("vs_hf_offload", "÷ HF offload", ".1f"), ("hit_rate", "hit rate", ".3f"), ("expected_hit_rate", "plan's expected hit rate", ".3f"),
-            ("mb_read_per_token", "MB read / token", ".2f"), ("prefill_tps", "prefill tok/s", ".1f")]  # fmt: skip
+            ("mb_read_per_token", "MB read / token", ".2f"), ("record_mb_per_token", "MB of missed records / token", ".2f"),
+            ("read_gbs", "store read GB/s", ".2f"), ("ceiling_tps", "ceiling tok/s", ".2f"), ("prefill_tps", "prefill tok/s", ".1f")]  # fmt: skip
     table = markdown_table(rows, cols)
+    if disk:
+        speeds = ", ".join(f"{int(k) // 1024} KiB: {v:.2f} GB/s" for k, v in disk.items() if k != "io")
+        table += (f"\n\nDevice ({disk['io']} random reads of the bundle file, one thread): {speeds}. *Ceiling*: the missed records "
+                  "read at the best of these speeds, fully overlapped with the resident engine's compute (no request overhead).")
     for path in write_results(args.out or f"budget-t{args.threads}", data, table):
         print(f"wrote {path}")
     print(table)

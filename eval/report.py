@@ -15,6 +15,7 @@ The average row is the mean over tasks of each task's first metric that is a mea
 paired ses as independent (sqrt(sum se^2) / k). Written to CKPT/eval.json (format_version 1).
 """
 
+import hashlib
 import json
 import math
 import re
@@ -77,6 +78,7 @@ def _metric_rows(results: dict, task: str) -> list[dict]:
     """[{metric, value, stderr, n, is_mean}] of one task from lm-eval's aggregated results."""
     metrics = results["results"].get(task, {})
     docs = per_document(results, task)
+    counted = results.get("n-samples", {}).get(task, {}).get("effective", 0)  # documents behind a corpus-level metric
     rows = []
     for key, value in metrics.items():
         metric, _, filt = key.partition(",")
@@ -86,7 +88,7 @@ def _metric_rows(results: dict, task: str) -> list[dict]:
         scores = docs.get(metric, {})
         is_mean = bool(scores) and abs(sum(scores.values()) / len(scores) - value) < 1e-9
         stderr = float(stderr) if isinstance(stderr, (int, float)) else None
-        rows.append({"metric": metric, "value": float(value), "stderr": stderr, "n": len(scores), "is_mean": is_mean})
+        rows.append({"metric": metric, "value": float(value), "stderr": stderr, "n": len(scores) or counted, "is_mean": is_mean})
     return rows
 
 
@@ -158,9 +160,25 @@ def markdown(report: dict) -> str:
 PARTS_DIR = "eval-parts"  # CKPT/eval-parts/<config>.<task>.json: one scored (configuration, task), reused on re-runs
 
 
+_DIGESTS: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256: one hash per file per process
+
+
+def _digest(path: Path) -> str:
+    st = path.stat()
+    at = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if at not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 24):
+                h.update(block)
+        _DIGESTS[at] = h.hexdigest()
+    return _DIGESTS[at]
+
+
 def _fingerprint(paths: list[Path]) -> list:
-    """(name, size, mtime_ns) of each existing file: a part is redone when the weights it scored changed."""
-    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in paths if p.is_file()]
+    """(name, sha256) of each existing file: a part is redone when the weights it scored changed, and kept
+    when they were only copied or re-saved unchanged (~1 s per GB, once per file per process)."""
+    return [[p.name, _digest(p)] for p in paths if p.is_file()]
 
 
 def part_key(ckpt: Path, config: str, task: str, limit, context: int, backend: str, original: str | None) -> dict:

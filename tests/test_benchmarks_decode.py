@@ -24,12 +24,17 @@ llama_print_timings:       total time =     659.54 ms
 """
 
 
-@pytest.fixture(scope="module")
-def decode():
-    spec = importlib.util.spec_from_file_location("bench_decode", DECODE)
+def load_script(path: Path):
+    """A benchmarks/ script as a module (they are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def decode():
+    return load_script(DECODE)
 
 
 def test_parse_powerinfer_log(decode):

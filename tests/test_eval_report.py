@@ -3,6 +3,7 @@ tiny checkpoint (original, oracle and sparse rows on the local piqa documents)."
 
 import json
 import math
+import shutil
 
 import pytest
 from test_eval_adapter import random_predictors
@@ -57,8 +58,10 @@ def test_build_report_rows_deltas_and_average():
     for results in per_config.values():
         results["results"]["sf_x"] = dict(reversed(results["results"]["sf_x"].items()))
         results["results"]["sf_ppl"] = {"word_perplexity,none": 30.0}
+        results["n-samples"] = {"sf_ppl": {"original": 62, "effective": 62}}  # corpus-level: no numeric per-document score
     report = build_report(per_config, ["sf_x", "sf_ppl"])
     assert report["rows"][0]["metric"] == "perplexity" and report["average"]["metrics"] == ["sf_x:acc"]
+    assert next(r for r in report["rows"] if r["task"] == "sf_ppl")["n"] == 62
     assert report["average"]["values"]["original"] == 0.75
 
 
@@ -104,6 +107,12 @@ def test_eval_verb_end_to_end(tmp_path, one_thread, capsys):
     assert main([*argv[:3], "piqa,arc_easy", *argv[4:]]) == 0
     out = capsys.readouterr().out
     assert out.count("all 2 task(s) reused") == 2 and "sparse: loading" in out and "sparse sf_piqa:" in out and "sparse sf_arc_easy:" in out
+
+    # parts are keyed by content: a copy of the checkpoint (new paths and mtimes, same bytes) scores nothing again
+    copy = tmp_path / "copied"
+    shutil.copytree(ckpt, copy, copy_function=shutil.copyfile)
+    assert main(["eval", str(copy), "--tasks", "piqa,arc_easy", *argv[4:]]) == 0
+    assert capsys.readouterr().out.count("all 2 task(s) reused") == 3
 
 
 @pytest.mark.skipif(not (data_root() / "eval" / "mmlu").is_dir(), reason="no local eval data (set SPARSEFORGE_DATA)")
