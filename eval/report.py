@@ -181,15 +181,28 @@ def _fingerprint(paths: list[Path]) -> list:
     return [[p.name, _digest(p)] for p in paths if p.is_file()]
 
 
+PROVENANCE = ("source", "trained_tokens", "layerwise_tokens")  # config.json `sparsity` fields that record history
+
+
+def _config_digest(path: Path) -> str:
+    """SHA-256 of config.json without its provenance fields (where the model came from and how long it trained),
+    which change no score."""
+    config = json.loads(path.read_text())
+    sparsity = config.get("sparsity")
+    if isinstance(sparsity, dict):
+        config["sparsity"] = {k: v for k, v in sparsity.items() if k not in PROVENANCE}
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
 def part_key(ckpt: Path, config: str, task: str, limit, context: int, backend: str, original: str | None) -> dict:
-    """What a part's scores depend on: the task and its sample, the context, and the weights (and predictors) scored.
-    For the sparse row that is the predictor weights and thresholds, not the rest of predictors.json, which
-    `predictors eval` rewrites without changing a mask."""
+    """What a part's scores depend on: the task and its sample, the context, and the computation scored: weight
+    files by content, config.json without provenance and, for the sparse row, the predictor weights and thresholds
+    (not the rest of predictors.json, which `predictors eval` rewrites without changing a mask)."""
     if config == "original":
         model = {"spec": original}
     else:
-        files = sorted(ckpt.glob("model*.safetensors")) + [ckpt / "config.json"]
-        model = {"backend": backend}
+        files = sorted(ckpt.glob("model*.safetensors"))
+        model = {"backend": backend, "config": _config_digest(ckpt / "config.json")}
         if config == "sparse":
             files.append(ckpt / "predictors.safetensors")
             units = json.loads((ckpt / "predictors.json").read_text()).get("units", [])

@@ -108,9 +108,13 @@ def test_eval_verb_end_to_end(tmp_path, one_thread, capsys):
     out = capsys.readouterr().out
     assert out.count("all 2 task(s) reused") == 2 and "sparse: loading" in out and "sparse sf_piqa:" in out and "sparse sf_arc_easy:" in out
 
-    # parts are keyed by content: a copy of the checkpoint (new paths and mtimes, same bytes) scores nothing again
+    # parts are keyed by content: a copy of the checkpoint (new paths and mtimes, same bytes) scores nothing again,
+    # nor does a config.json that differs only in provenance (how long the weights trained)
     copy = tmp_path / "copied"
     shutil.copytree(ckpt, copy, copy_function=shutil.copyfile)
+    config = json.loads((copy / "config.json").read_text())
+    config["sparsity"]["trained_tokens"] = 12345
+    (copy / "config.json").write_text(json.dumps(config))
     assert main(["eval", str(copy), "--tasks", "piqa,arc_easy", *argv[4:]]) == 0
     assert capsys.readouterr().out.count("all 2 task(s) reused") == 3
 
