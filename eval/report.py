@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparseforge.checkpoint import atomic_write_text, read_artifact, write_artifact
+from sparseforge.checkpoint import SPARSITY_PROVENANCE, atomic_write_text, read_artifact, write_artifact
 from sparseforge.errors import SparseforgeError
 
 EVAL_FORMAT_VERSION = 1
@@ -175,22 +175,18 @@ def _digest(path: Path) -> str:
     return _DIGESTS[at]
 
 
-def _fingerprint(paths: list[Path]) -> list:
+def _file_digests(paths: list[Path]) -> list:
     """(name, sha256) of each existing file: a part is redone when the weights it scored changed, and kept
     when they were only copied or re-saved unchanged (~1 s per GB, once per file per process)."""
     return [[p.name, _digest(p)] for p in paths if p.is_file()]
 
 
-PROVENANCE = ("source", "trained_tokens", "layerwise_tokens")  # config.json `sparsity` fields that record history
-
-
 def _config_digest(path: Path) -> str:
-    """SHA-256 of config.json without its provenance fields (where the model came from and how long it trained),
-    which change no score."""
+    """SHA-256 of config.json without its provenance fields (checkpoint.SPARSITY_PROVENANCE), which change no score."""
     config = json.loads(path.read_text())
     sparsity = config.get("sparsity")
     if isinstance(sparsity, dict):
-        config["sparsity"] = {k: v for k, v in sparsity.items() if k not in PROVENANCE}
+        config["sparsity"] = {k: v for k, v in sparsity.items() if k not in SPARSITY_PROVENANCE}
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
 
 
@@ -207,7 +203,7 @@ def part_key(ckpt: Path, config: str, task: str, limit, context: int, backend: s
             files.append(ckpt / "predictors.safetensors")
             units = json.loads((ckpt / "predictors.json").read_text()).get("units", [])
             model["thresholds"] = [[u["layer"], u["expert"], u["threshold"]] for u in units]
-        model["files"] = _fingerprint(files)
+        model["files"] = _file_digests(files)
     return {"task": task, "limit": limit, "context": context, "model": model}
 
 

@@ -25,6 +25,9 @@ from sparseforge.errors import SparseforgeError
 from sparseforge.families import family_for
 
 SPARSITY_FORMAT_VERSION = 1
+# config.json `sparsity` fields that record where the weights came from and how long they trained: history, not
+# part of the computation (convert writes `source`, train adds the token counts)
+SPARSITY_PROVENANCE = ("source", "trained_tokens", "layerwise_tokens")
 HF_CODE_FILES = ("configuration_sparseforge.py", "modeling_sparseforge.py")
 
 
