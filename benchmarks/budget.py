@@ -2,7 +2,8 @@
 pinned, cold ones read from the bundle file through the neuron cache, runtime/store.py) against the fully
 resident engine and HF accelerate disk offload at the same budget, side by side in one process.
 
-    python benchmarks/budget.py --threads 2            # writes benchmarks/results/budget-t2.{json,md}
+    python benchmarks/budget.py --threads 2                  # writes benchmarks/results/budget-t2.{json,md}
+    python benchmarks/budget.py --threads 2 --dtype int8     # int8 engines and bundles: budget-int8-t2.{json,md}
 
 A budget `N%` is the placement plan's (sparseforge plan --fast-memory N%): everything every token touches
 (attention, embeddings, norms, predictors, KV cache for --context) plus N % of the MLP neuron bytes. HF gets the same
@@ -29,13 +30,14 @@ from decode import HFGenerate  # noqa: E402
 class Tiered:
     """The sparse engine over a neuron store for one budget (None: fully resident, no store)."""
 
-    def __init__(self, ckpt, budget, context, threads):
+    def __init__(self, ckpt, budget, context, threads, dtype):
         from sparseforge.runtime.engine import Engine
         from sparseforge.runtime.store import tiered_units
 
-        self.store = None if budget is None else tiered_units(ckpt, budget, "float32", context=context, progress=False)
-        self.engine = Engine.load(ckpt, mode="sparse", weight_dtype="float32", context=context, threads=threads, units=self.store, progress=False)
-        self.name = "sparseforge sparse, resident" if budget is None else f"sparseforge sparse, {budget} MLP resident"
+        self.store = None if budget is None else tiered_units(ckpt, budget, dtype, context=context, progress=False)
+        self.engine = Engine.load(ckpt, mode="sparse", weight_dtype=dtype, context=context, threads=threads, units=self.store, progress=False)
+        where = "resident" if budget is None else f"{budget} MLP resident"
+        self.name = f"sparseforge sparse {dtype}, {where}"
         self.budget = budget
         self.resident = self.store.stats()["resident_bytes"] if self.store else None
 
@@ -122,16 +124,20 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (real text)")
     p.add_argument("--new-tokens", type=int, default=48, help="tokens per sparseforge run")
     p.add_argument("--hf-new-tokens", type=int, default=6, help="tokens per HF offload run")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int8"],
+                   help="weight dtype of the sparseforge engines and their bundle files (HF offload stays float32, at the float32 plan's budget)")
     p.add_argument("--context", type=int, default=2048, help="context the plans reserve KV cache for")
     p.add_argument("--reps", type=int, default=3, help="repetitions (engines alternate inside each)")
-    p.add_argument("--out", default=None, help="results name (default budget-t<threads>)")
+    p.add_argument("--out", default=None, help="results name (default budget-t<threads>, budget-<dtype>-t<threads> for other dtypes)")
     args = p.parse_args()
     env, bandwidth = setup(args.threads)
     ckpt = Path(args.ckpt)
-    plans = {b: make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype="float32")) for b in set(args.budgets) | set(args.hf_budgets)}
-    contestants = [Tiered(ckpt, None, args.context, args.threads)] + [Tiered(ckpt, b, args.context, args.threads) for b in args.budgets]
+    plans = {b: make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype=args.dtype)) for b in args.budgets}
+    contestants = [Tiered(ckpt, None, args.context, args.threads, args.dtype)]
+    contestants += [Tiered(ckpt, b, args.context, args.threads, args.dtype) for b in args.budgets]
     for b in args.hf_budgets:
-        contestants.append(Offload(ckpt, b, plans[b]["budget_bytes"] - plans[b]["always_touched"]["kv_cache"]))
+        hf_plan = make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype="float32"))
+        contestants.append(Offload(ckpt, b, hf_plan["budget_bytes"] - hf_plan["always_touched"]["kv_cache"]))
     from transformers import AutoTokenizer
 
     ids = pretrain_prompt(AutoTokenizer.from_pretrained(ckpt, trust_remote_code=True), args.prompt_tokens)
@@ -151,8 +157,8 @@ def main() -> None:
         row = {"engine": c.name, "budget": c.budget, "decode_tps": median([x["decode_tps"] for x in r]),
                "prefill_tps": args.prompt_tokens / median([x["prefill_s"] for x in r]),
                "hit_rate": median([x.get("hit_rate") for x in r]), "bytes_read_per_token": median([x.get("bytes_read_per_token") for x in r]),
-               "budget_bytes": plans[c.budget]["budget_bytes"] if c.budget else None, "resident_mlp_bytes": getattr(c, "resident", None),
-               "expected_hit_rate": plans[c.budget]["expected_hit_rate"] if c.budget else None, "decode_all": [x["decode_tps"] for x in r]}  # fmt: skip
+               "budget_bytes": plans[c.budget]["budget_bytes"] if isinstance(c, Tiered) and c.budget else None, "resident_mlp_bytes": getattr(c, "resident", None),
+               "expected_hit_rate": plans[c.budget]["expected_hit_rate"] if isinstance(c, Tiered) and c.budget else None, "decode_all": [x["decode_tps"] for x in r]}  # fmt: skip
         row["mb_read_per_token"] = row["bytes_read_per_token"] / 1e6 if row["bytes_read_per_token"] is not None else None
         if isinstance(c, Tiered) and c.store:
             row["record_mb_per_token"] = median([x["record_bytes_per_token"] for x in r]) / 1e6
@@ -169,7 +175,7 @@ def main() -> None:
         row["vs_hf_offload"] = row["decode_tps"] / hf["decode_tps"] if hf and not row["engine"].startswith("HF") else None
     for c in contestants:
         c.close()
-    data = {"command": "python " + " ".join(sys.argv), "environment": env, "bandwidth": bandwidth, "disk_read_gbs": disk, "rows": rows,
+    data = {"command": "python " + " ".join(sys.argv), "dtype": args.dtype, "environment": env, "bandwidth": bandwidth, "disk_read_gbs": disk, "rows": rows,
             "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "hf_new_tokens": args.hf_new_tokens, "reps": args.reps}  # fmt: skip
     cols = [("engine", "engine", ""), ("budget_bytes", "budget bytes", ","), ("decode_tps", "decode tok/s", ".2f"), ("vs_resident", "÷ resident", ".2f"),
             ("vs_hf_offload", "÷ HF offload", ".1f"), ("hit_rate", "hit rate", ".3f"), ("expected_hit_rate", "plan's expected hit rate", ".3f"),
@@ -181,7 +187,7 @@ def main() -> None:
         table += (f"\n\nDevice ({disk['io']} random reads of the bundle file, one thread): {speeds}. *Ceiling*: the missed records "
                   "read at the best of these speeds, fully overlapped with the resident engine's compute (no request overhead). *Reader GB/s*: "
                   "bytes read ÷ the reader thread's busy time (reads, checks and copies into slots).")
-    for path in write_results(args.out or f"budget-t{args.threads}", data, table):
+    for path in write_results(args.out or f"budget{'' if args.dtype == 'float32' else '-' + args.dtype}-t{args.threads}", data, table):
         print(f"wrote {path}")
     print(table)
 

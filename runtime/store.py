@@ -6,18 +6,20 @@ neuron cache by a background thread while the engine computes the resident ones.
     ...; store.stats(); store.close()
 
 `store` is the engine's units factory (`store(layer, expert, reader) -> TieredUnit`, runtime/weights.py).
-Each `TieredUnit` implements `units.MLPUnit` with slots `[0, hot)` holding the unit's hot neurons (pinned,
-loaded once at startup) and slots `[hot, hot + cache)` an LRU cache of cold neurons. `request(neurons)`
-returns the hot and cached neurons as ready at once, claims cache slots for the misses (free ones first,
-then the least recently used slots no open request holds) and queues their reads on the store's reader
-thread; `wait()` blocks until they are in, `release()` lets the slots be evicted again.
+All units share one arena of slots (`store.bundles`, every unit's `bundles`): each unit's hot neurons in a
+range of their own (pinned, loaded once at startup), then one pool of cache slots shared by every unit, an
+LRU cache of cold neurons. `request(neurons)` returns the hot and cached neurons as ready at once, claims
+pool slots for the misses (free ones first, then the least recently used slots no open request holds,
+whichever unit's neuron they hold) and queues their read on the store's reader thread; `wait()` blocks
+until they are in, `release()` lets the slots be evicted again.
 
 How the plan's fast memory is shared out (docs/runtime.md "Neuron store"): the plan's MLP budget holds
 `T = mlp.budget_bytes // bytes_per_neuron` bundles. A fraction `cache_fraction` of them (at least
-`min_cold_slots` per unit) becomes cache slots, split between units in proportion to their expected cold
-firings per token (from the profile); the rest stay hot: the globally most frequent of the plan's hot
-neurons, as the plan's optimality argument asks. Resident MLP bytes = sum over units of slots x
-bytes_per_neuron <= mlp.budget_bytes, checked.
+`min_cold_slots`) becomes the pool; the rest stay hot: the globally most frequent of the plan's hot
+neurons, as the plan's optimality argument asks. One pool rather than one cache per unit: decode computes
+one layer at a time, so the layer at hand can hold all its misses in one request (one read job per layer
+instead of a dozen, measured in docs/runtime.md). Resident MLP bytes = arena slots x bytes_per_neuron <=
+mlp.budget_bytes, checked.
 
 A token whose predicted neurons exceed a unit's `capacity` is computed in chunks; chunks taken in file order
 (sorted by `unit.position[neurons]`) turn each chunk's misses into a few long reads instead of many scattered
@@ -47,42 +49,36 @@ class _Job:
 
     unit: "TieredUnit"
     neurons: np.ndarray  # int64 [m] neuron ids
-    slots: np.ndarray  # int64 [m] their slots
+    slots: np.ndarray  # int64 [m] their slots in the store's arena
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
 
 class TieredUnit:
-    """One MLP unit: hot neurons pinned in slots [0, hot), cold neurons cached in LRU slots [hot, hot + cache).
+    """One MLP unit of a NeuronStore: its hot neurons pinned in arena slots [offset, offset + hot), its cold
+    ones read on demand into the store's shared pool of cache slots.
 
     The slot bookkeeping is numpy (a request is a few dozen small array operations; numpy's per-call cost is
-    a fraction of torch's, and a token makes hundreds of requests under a small budget)."""
+    a fraction of torch's)."""
 
-    def __init__(self, store: "NeuronStore", layer: int, expert: int, hot: torch.Tensor, cache_slots: int):
+    def __init__(self, store: "NeuronStore", layer: int, expert: int, index: int, offset: int, hot: torch.Tensor):
         f = store.file
-        self.store, self.layer, self.expert = store, layer, expert
+        self.store, self.layer, self.expert, self.index, self.offset = store, layer, expert, index, offset
         self.hidden, self.intermediate = f.hidden, f.index["intermediate"]
         self.hot = int(hot.numel())
-        n_slots = self.hot + cache_slots
-        # a request of k neurons needs min(k, cold neurons) free cache slots
-        self.capacity = self.intermediate if cache_slots >= self.intermediate - self.hot else cache_slots
+        self.bundles, self.scales = store.bundles, store.scales  # the arena every unit of the store shares
+        # a request of k neurons needs min(k, cold neurons) free pool slots
+        self.capacity = self.intermediate if store.pool_slots >= self.intermediate - self.hot else store.pool_slots
         self.position = f.positions(layer, expert).numpy()  # [I] neuron -> record position in the file (chunk order)
-        self.slot_of = np.full(self.intermediate, -1, dtype=np.int64)  # [I] neuron -> slot, -1 not resident
-        self.neuron_in = np.full(n_slots, -1, dtype=np.int64)  # [S] slot -> neuron, -1 empty
-        self.pins = np.zeros(n_slots, dtype=np.int64)  # open requests holding each slot
-        self.last_use = np.zeros(n_slots, dtype=np.int64)  # LRU clock per slot
-        self.loading = np.zeros(n_slots, dtype=bool)  # a queued read will fill the slot
-        self.clock = 0
+        self.slot_of = np.full(self.intermediate, -1, dtype=np.int64)  # [I] neuron -> arena slot, -1 not resident
         self.jobs: list[_Job] = []
         self.counts = dict.fromkeys(COUNTERS, 0)
-        with torch.inference_mode(False):  # normal tensors: the reader thread writes them outside inference mode
-            self.bundles = torch.empty((n_slots, 3, self.hidden), dtype=TORCH_DTYPES[f.dtype])
-            self.scales = torch.empty(n_slots, 3, dtype=torch.float32) if f.dtype == "int8" else None
-            if self.hot:  # hot neurons: one read of the head of the unit's records (frequency order)
-                ids = np.sort(hot.numpy())  # slots in neuron order: the kernels then walk the hot slots sequentially
-                slots = np.arange(self.hot)
-                self._fill(slots, f.read(layer, expert, self.position[ids]))
-                self.slot_of[ids], self.neuron_in[slots] = slots, ids
+        if self.hot:  # hot neurons: one read of the head of the unit's records (frequency order)
+            ids = np.sort(hot.numpy())  # slots in neuron order: the kernels then walk the hot slots sequentially
+            slots = offset + np.arange(self.hot)
+            store.fill(slots, f.read(layer, expert, self.position[ids]))
+            self.slot_of[ids] = slots
+            store.neuron_in[slots], store.owner[slots] = ids, index
         self.load_bytes = self.hot * f.record
 
     # ---------------------------------------------------------------- the MLPUnit interface
@@ -93,26 +89,27 @@ class TieredUnit:
 
     def request(self, neurons: torch.Tensor) -> Request:
         """neurons: LongTensor [k] of distinct neuron ids, k <= capacity."""
-        if self.store.closed:
+        s = self.store
+        if s.closed:
             raise SparseforgeError("the neuron store was closed; load the engine again to run it")
         ids = neurons.numpy().astype(np.int64, copy=False)
         k = ids.size
         if k > self.capacity:
             raise ValueError(f"request for {k} neurons exceeds the unit's capacity {self.capacity}; split it into chunks")
-        self.clock += 1
+        s.clock += 1
         c = self.counts
         c["requests"] += 1
         c["neurons"] += k
         slots = self.slot_of[ids]
         resident = slots >= 0
-        cached = resident & (slots >= self.hot)
+        cached = slots >= s.pool_start
         n_cached = int(np.count_nonzero(cached))
         c["hot_hits"] += int(np.count_nonzero(resident)) - n_cached
         c["cache_hits"] += n_cached
         held = slots[cached]
-        self.pins[held] += 1
-        self.last_use[held] = self.clock
-        late = cached & self.loading[np.maximum(slots, 0)]  # cached, but an earlier request's read is still running
+        s.pins[held] += 1
+        s.last_use[held] = s.clock
+        late = cached & s.loading[np.maximum(slots, 0)]  # cached, but an earlier request's read is still running
         ready = resident & ~late
         missing = ids[~resident]
         job = self._load(missing) if missing.size else None
@@ -127,39 +124,37 @@ class TieredUnit:
         return Request(ready_n, ready_s, lambda: self._wait(waits, rest_n, rest_s), lambda: self._unpin(pinned, waits))
 
     def stats(self) -> dict:
-        """Counters since load, plus resident bytes (slots x bundle bytes) and the hot/cache split."""
-        return {**self.counts, "resident_bytes": self.resident_bytes(), "hot": self.hot,
-                "cache_slots": len(self.neuron_in) - self.hot, "capacity": self.capacity}  # fmt: skip
-
-    def resident_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.bundles, self.scales) if t is not None)
+        """Counters since load, and the unit's hot neurons and capacity (resident bytes: the store's stats)."""
+        return {**self.counts, "hot": self.hot, "capacity": self.capacity}
 
     # ---------------------------------------------------------------- cache mechanics
 
     def _load(self, neurons: np.ndarray) -> _Job:
-        """Claim cache slots for `neurons` (LRU victims among unpinned slots) and queue their read."""
-        m, h = neurons.size, self.hot
-        free = self.pins[h:] == 0
+        """Claim pool slots for `neurons` (LRU victims among unpinned slots, of any unit) and queue their read."""
+        s, m = self.store, neurons.size
+        p0 = s.pool_start
+        free = s.pins[p0:] == 0
         n_free = int(np.count_nonzero(free))
         if m > n_free:
             raise ValueError(f"request needs {m} cache slots, {n_free} are free (capacity {self.capacity}); "
-                             "release earlier requests of this unit first")  # fmt: skip
-        key = self.last_use[h:].copy()
-        key[self.neuron_in[h:] < 0] = -1  # empty slots first
+                             "release earlier requests first")  # fmt: skip
+        key = s.last_use[p0:].copy()
+        key[s.owner[p0:] < 0] = -1  # empty slots first
         key[~free] = np.iinfo(np.int64).max
-        victims = (np.argpartition(key, m - 1)[:m] if m < key.size else np.arange(key.size)) + h
-        old = self.neuron_in[victims]
-        old = old[old >= 0]
-        self.counts["evictions"] += old.size
+        victims = (np.argpartition(key, m - 1)[:m] if m < key.size else np.arange(key.size)) + p0
+        owners = s.owner[victims]
+        for o in np.unique(owners[owners >= 0]).tolist():  # evicted neurons leave their units
+            s.units_by_index[o].slot_of[s.neuron_in[victims[owners == o]]] = -1
+        self.counts["evictions"] += int(np.count_nonzero(owners >= 0))
         self.counts["misses"] += m
-        self.slot_of[old] = -1
-        self.slot_of[neurons], self.neuron_in[victims] = victims, neurons
-        self.pins[victims] += 1
-        self.last_use[victims] = self.clock
-        self.loading[victims] = True
+        self.slot_of[neurons] = victims
+        s.neuron_in[victims], s.owner[victims] = neurons, self.index
+        s.pins[victims] += 1
+        s.last_use[victims] = s.clock
+        s.loading[victims] = True
         job = _Job(self, neurons, victims)
         self.jobs = [j for j in self.jobs if not j.done.is_set()] + [job]
-        self.store.submit(job)
+        s.submit(job)
         return job
 
     def _wait(self, jobs: list[_Job], neurons: np.ndarray, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,26 +173,19 @@ class TieredUnit:
             job.done.wait()
             if job.error is not None:
                 self._forget(job)
-        self.pins[pinned] -= 1
+        self.store.pins[pinned] -= 1
 
     def _forget(self, job: _Job) -> None:
         """A failed read left its slots without data: mark them empty."""
-        live = self.neuron_in[job.slots] == job.neurons
+        s = self.store
+        live = (s.owner[job.slots] == self.index) & (s.neuron_in[job.slots] == job.neurons)
         self.slot_of[job.neurons[live]] = -1
-        self.neuron_in[job.slots[live]] = -1
-
-    def _fill(self, slots: np.ndarray, result) -> None:
-        """Copy read records into slots."""
-        bundles, scales = self.store.file.decode(result.records)
-        index = torch.from_numpy(slots)
-        self.bundles.index_copy_(0, index, bundles)
-        if scales is not None:
-            self.scales.index_copy_(0, index, scales)
+        s.neuron_in[job.slots[live]], s.owner[job.slots[live]] = -1, -1
 
     def _run(self, job: _Job) -> None:
         """Reader thread: read a job's records, fill its slots, count the bytes."""
         result = self.store.file.read(self.layer, self.expert, self.position[job.neurons])
-        self._fill(job.slots, result)
+        self.store.fill(job.slots, result)
         c = self.counts
         c["bytes_read"] += result.bytes_read
         c["records_read"] += job.neurons.size
@@ -205,7 +193,11 @@ class TieredUnit:
 
 
 class NeuronStore:
-    """The units factory of a disk-backed engine run: the bundle file, the slot split and the reader thread."""
+    """The units factory of a disk-backed engine run: the bundle file, the arena of slots and the reader thread.
+
+    The arena is one [S, 3, H] tensor (plus [S, 3] scales for int8) that every unit's `bundles` points at:
+    each unit's hot neurons in a range of their own, then `pool_slots` cache slots shared by all units, so
+    the layer being computed can hold all of its misses at once (decode computes one layer at a time)."""
 
     def __init__(self, ckpt: str | Path, plan: dict, weight_dtype: str, cache_fraction: float = 0.2,
                  min_cold_slots: int = 16, io: str = "direct", verify: str = "once", merge_gap: int = MERGE_GAP,
@@ -217,9 +209,24 @@ class NeuronStore:
             raise SparseforgeError(f"cache_fraction {cache_fraction} must be in [0, 1] and min_cold_slots {min_cold_slots} >= 1")
         self.ckpt, self.plan, self.weight_dtype = Path(ckpt), plan, weight_dtype
         self.per_neuron = plan["bytes_per_neuron"]
-        self.hot, self.cache_slots = split_slots(plan, self.ckpt, cache_fraction, min_cold_slots)
+        self.hot, self.pool_slots = split_slots(plan, self.ckpt, cache_fraction, min_cold_slots)
         self.file: BundleFile = ensure_bundles(ckpt, weight_dtype, build=build, progress=progress, io=io, verify=verify, merge_gap=merge_gap)
+        self.offsets, at = {}, 0
+        for key, ids in self.hot.items():  # the units' hot ranges in key order, then the pool
+            self.offsets[key], at = at, at + int(ids.numel())
+        self.pool_start = at
+        n = at + self.pool_slots
+        with torch.inference_mode(False):  # normal tensors: the reader thread writes them outside inference mode
+            self.bundles = torch.empty((n, 3, self.file.hidden), dtype=TORCH_DTYPES[self.file.dtype])
+            self.scales = torch.empty(n, 3, dtype=torch.float32) if self.file.dtype == "int8" else None
+        self.neuron_in = np.full(n, -1, dtype=np.int64)  # [S] slot -> neuron id of its owner unit, -1 empty
+        self.owner = np.full(n, -1, dtype=np.int64)  # [S] slot -> index of the unit whose neuron it holds
+        self.pins = np.zeros(n, dtype=np.int64)  # open requests holding each slot
+        self.last_use = np.zeros(n, dtype=np.int64)  # LRU clock per slot
+        self.loading = np.zeros(n, dtype=bool)  # a queued read will fill the slot
+        self.clock = 0
         self.units: dict[tuple[int, int], TieredUnit] = {}
+        self.units_by_index: dict[int, TieredUnit] = {}
         self.wait_seconds = 0.0
         self.io_seconds = 0.0
         self.closed = False
@@ -232,9 +239,15 @@ class NeuronStore:
         if reader is not None and reader.weight_dtype != self.weight_dtype:
             raise SparseforgeError(f"the neuron store holds {self.weight_dtype} bundles, the engine loads {reader.weight_dtype}; "
                                    "pass the same weight_dtype to tiered_units and Engine.load")  # fmt: skip
-        unit = TieredUnit(self, layer, expert, self.hot[(layer, expert)], self.cache_slots[(layer, expert)])
-        self.units[(layer, expert)] = unit
+        key = (layer, expert)
+        index = list(self.offsets).index(key)
+        unit = TieredUnit(self, layer, expert, index, self.offsets[key], self.hot[key])
+        self.units[key] = self.units_by_index[index] = unit
         return unit
+
+    def fill(self, slots: np.ndarray, result) -> None:
+        """Copy read records into arena slots."""
+        self.file.scatter(result.records, slots, self.bundles, self.scales)
 
     def submit(self, job: _Job) -> None:
         self._queue.put(job)
@@ -247,12 +260,15 @@ class NeuronStore:
             start = time.perf_counter()
             try:
                 job.unit._run(job)
-                job.unit.loading[job.slots] = False
+                self.loading[job.slots] = False
             except BaseException as e:  # handed to the engine thread by wait()
                 job.error = e
             finally:
                 self.io_seconds += time.perf_counter() - start
                 job.done.set()
+
+    def resident_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.bundles, self.scales) if t is not None)
 
     def stats(self) -> dict:
         """Counters summed over units, hit rate, resident bytes against the plan's MLP budget, the I/O mode."""
@@ -266,10 +282,10 @@ class NeuronStore:
             "hit_rate": (total["hot_hits"] + total["cache_hits"]) / n,
             "hot_hit_rate": total["hot_hits"] / n,
             "cache_hit_rate": total["cache_hits"] / n,
-            "resident_bytes": sum(u.resident_bytes() for u in self.units.values()),
+            "resident_bytes": self.resident_bytes(),
             "mlp_budget_bytes": self.plan["mlp"]["budget_bytes"],
-            "hot_neurons": sum(u.hot for u in self.units.values()),
-            "cache_slots": sum(len(u.neuron_in) - u.hot for u in self.units.values()),
+            "hot_neurons": self.pool_start,
+            "cache_slots": self.pool_slots,
             "load_bytes": sum(u.load_bytes for u in self.units.values()),
             "io": self.file.io,
             "wait_seconds": self.wait_seconds,
@@ -292,10 +308,10 @@ class NeuronStore:
         self.close()
 
 
-def split_slots(plan: dict, ckpt: Path, cache_fraction: float, min_cold_slots: int) -> tuple[dict, dict]:
-    """Share the plan's MLP budget between hot neurons and cache slots (module docstring).
+def split_slots(plan: dict, ckpt: Path, cache_fraction: float, min_cold_slots: int) -> tuple[dict, int]:
+    """Share the plan's MLP budget between hot neurons and the shared pool of cache slots (module docstring).
 
-    Returns ({(layer, expert): hot neuron ids [h_u], most frequent first}, {(layer, expert): cache slots c_u})."""
+    Returns ({(layer, expert): hot neuron ids [h_u], most frequent first}, pool slots)."""
     from sparseforge.predictors.profile import load_profile
 
     counts = load_profile(ckpt)[0]["counts"]  # [L, E, I]
@@ -307,27 +323,21 @@ def split_slots(plan: dict, ckpt: Path, cache_fraction: float, min_cold_slots: i
             plan_hot[(row["layer"], ex["expert"])] = torch.tensor(ex["hot"], dtype=torch.long)
     total = plan["mlp"]["budget_bytes"] // plan["bytes_per_neuron"]
     if total >= len(keys) * width:  # everything fits: all hot, no cache
-        return {k: plan_hot[k] for k in keys}, dict.fromkeys(keys, 0)
+        return {k: plan_hot[k] for k in keys}, 0
     least = min(min_cold_slots, width)
-    if total < len(keys) * least:
-        need = plan["always_touched"]["total"] + len(keys) * least * plan["bytes_per_neuron"]
+    if total < least:
+        need = plan["always_touched"]["total"] + least * plan["bytes_per_neuron"]
         raise SparseforgeError(
             f"fast memory {plan['fast_memory']} ({plan['budget_bytes']} B) leaves room for {total} neuron bundles; the neuron "
-            f"store needs at least {least} cache slots in each of {len(keys)} MLP units: a minimum of {need} B "
-            f"({human_bytes(need)}); pass --fast-memory {-(-need // 2**20)}MiB or more"
+            f"store needs at least {least} cache slots: a minimum of {need} B ({human_bytes(need)}); "
+            f"pass --fast-memory {-(-need // 2**20)}MiB or more"
         )
-    cache_total = max(len(keys) * least, round(cache_fraction * total))
+    pool = max(least, round(cache_fraction * total))
     plan_counts = [counts[k][plan_hot[k]] for k in keys]  # the plan's hot lists, most frequent first
-    ks = solve_counts(plan_counts, [1] * len(keys), total - cache_total)
+    ks = solve_counts(plan_counts, [1] * len(keys), total - pool)
     hot = {k: plan_hot[k][:n] for k, n in zip(keys, ks)}
-    tokens = max(int(counts.sum()), 1)
-    demand = torch.tensor([float(counts[k].sum() - counts[k][hot[k]].sum()) / tokens for k in keys])  # cold share
-    extra = cache_total - len(keys) * least
-    share = torch.floor(extra * demand / demand.sum().clamp(min=1e-12)).long() if extra > 0 else torch.zeros(len(keys), dtype=torch.long)
-    cache = {k: int(min(least + int(s), width - len(hot[k]))) for k, s in zip(keys, share.tolist())}
-    used = sum(len(hot[k]) + cache[k] for k in keys)
-    assert used <= total, (used, total)
-    return hot, cache
+    assert sum(len(h) for h in hot.values()) + pool <= total, (hot, pool, total)
+    return hot, pool
 
 
 def tiered_units(ckpt: str | Path, plan: dict | str, weight_dtype: str, context: int = 2048, **options) -> NeuronStore:

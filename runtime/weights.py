@@ -139,16 +139,14 @@ class ModelWeights:
             tensors = [lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm, lw.router]
             total += sum(t.numel() * t.element_size() for t in tensors if t is not None) + lw.qkv.nbytes + lw.o.nbytes
             total += sum(a.nbytes + b.nbytes for a, b in lw.dense)
-            total += sum(unit_resident_bytes(unit) for unit in lw.units)
-        return total
+        return total + units_resident_bytes([unit for lw in self.layers for unit in lw.units])
 
 
-def unit_resident_bytes(unit: MLPUnit) -> int:
-    """A unit's resident bytes: what its stats() reports as `resident_bytes`, else its bundle slots + scales."""
-    reported = unit.stats().get("resident_bytes") if hasattr(unit, "stats") else None
-    if reported is not None:
-        return int(reported)
-    return sum(t.numel() * t.element_size() for t in (unit.bundles, unit.scales) if t is not None)
+def units_resident_bytes(units: list[MLPUnit]) -> int:
+    """Bytes of the units' bundle slots and scales, each tensor counted once (the units of a neuron store
+    share one arena)."""
+    tensors = {t.data_ptr(): t for u in units for t in (u.bundles, u.scales) if t is not None and t.numel()}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _linear(reader: WeightReader, names: list[str], threads: int, native: bool) -> Linear:

@@ -16,7 +16,7 @@ from sparseforge.runtime.bundles import BundleFile, build_bundles, bundle_paths,
 from sparseforge.runtime.plan import PlanRequest, make_plan, parse_size
 from sparseforge.runtime.store import NeuronStore, tiered_units
 from sparseforge.runtime.units import make_bundles
-from sparseforge.runtime.weights import WeightReader, convert, unit_resident_bytes
+from sparseforge.runtime.weights import WeightReader, convert, units_resident_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 I = 128  # tiny_model intermediate size
@@ -151,12 +151,12 @@ def test_io_modes_read_the_same_records(llama, io):
 
 
 def test_budget_below_the_minimum_is_a_clear_error(llama):
-    with pytest.raises(SparseforgeError, match=r"needs at least 16 cache slots in each of 2 MLP units: a minimum of \d+ B .*pass --fast-memory \d+MiB"):
+    with pytest.raises(SparseforgeError, match=r"needs at least 16 cache slots: a minimum of \d+ B .*pass --fast-memory \d+MiB"):
         NeuronStore(llama, _plan(llama, "0%"), "float32", progress=False)
 
 
 def test_split_stays_inside_the_budget_and_keeps_the_most_frequent_hot(llama):
-    for size in ["10%", "25%", "50%", "100%"]:  # 10%: 25 bundles, 2 x 8 cache slots
+    for size in ["10%", "25%", "50%", "100%"]:  # 10%: 25 bundles, 8 of them cache slots
         plan = _plan(llama, size)
         with tiered_units(llama, plan, "float32", min_cold_slots=8, progress=False) as store:
             units = [store(i, 0) for i in range(2)]
@@ -165,7 +165,9 @@ def test_split_stays_inside_the_budget_and_keeps_the_most_frequent_hot(llama):
             assert s["resident_bytes"] == (s["hot_neurons"] + s["cache_slots"]) * plan["bytes_per_neuron"]
             for u, row in zip(units, plan["layers"]):
                 assert u.hot <= row["hot_count"]
-                assert torch.equal(torch.from_numpy(u.neuron_in[: u.hot]), torch.tensor(row["hot"][: u.hot], dtype=torch.long).sort().values)
+                hot_slots = slice(u.offset, u.offset + u.hot)  # the unit's own range of the shared arena
+                assert torch.equal(torch.from_numpy(store.neuron_in[hot_slots]), torch.tensor(row["hot"][: u.hot], dtype=torch.long).sort().values)
+                assert (store.owner[hot_slots] == u.index).all() and u.bundles is store.bundles
             if size == "100%":
                 assert s["cache_slots"] == 0 and all(u.capacity == I and u.hot == I for u in units)
 
@@ -219,6 +221,22 @@ def test_lru_keeps_the_recently_used_and_pins_open_requests(llama):
             unit.request(cold[20:33])
         held.release()
         unit.request(cold[20:36]).release()  # released: all 16 slots usable again
+
+
+def test_units_share_one_pool_and_evict_each_others_neurons(llama):
+    plan = _plan(llama, "20%")
+    refs = [_unit_reference(llama, i, 0, "float32")[0] for i in range(2)]
+    with tiered_units(llama, plan, "float32", min_cold_slots=16, cache_fraction=0.0, progress=False) as store:
+        units = [store(i, 0) for i in range(2)]
+        assert store.pool_slots == 16 and all(u.capacity == 16 for u in units)
+        cold = [torch.tensor([n for n in range(I) if u.slot_of[n] < 0]) for u in units]
+        _run_requests(units[0], refs[0], [cold[0][:16]])  # unit 0 fills the whole pool
+        assert (store.owner[store.pool_start :] == units[0].index).all()
+        _run_requests(units[1], refs[1], [cold[1][:10]])  # unit 1 takes 10 of those slots
+        assert int((units[0].slot_of[cold[0][:16]] >= 0).sum()) == 6 and units[1].counts["evictions"] == 10
+        _run_requests(units[0], refs[0], [cold[0][:16]])  # back again: 6 hits, 10 misses, data exact
+        assert units[0].counts["cache_hits"] == 6 and units[0].counts["misses"] == 26
+        assert (units[1].slot_of[cold[1][:10]] < 0).all()
 
 
 def test_reader_errors_reach_the_engine_thread_and_the_thread_shuts_down(llama, tmp_path):
@@ -288,7 +306,7 @@ def test_disk_backed_run_equals_the_fully_resident_run(family, dtype, size, requ
         assert s["misses"] > 0 and s["evictions"] > 0 and s["bytes_read"] >= s["misses"] * store.per_neuron
         assert s["hot_hits"] + s["cache_hits"] + s["misses"] == s["neurons"]
         assert s["resident_bytes"] <= s["mlp_budget_bytes"]
-        all_mlp = sum(unit_resident_bytes(u) for lw in resident.weights.layers for u in lw.units)
+        all_mlp = units_resident_bytes([u for lw in resident.weights.layers for u in lw.units])
         assert disk.stats()["resident_weight_bytes"] == resident.stats()["resident_weight_bytes"] - all_mlp + s["resident_bytes"]
         assert s["resident_bytes"] < all_mlp * float(size[:-1]) / 100 + 1
     assert not store._thread.is_alive()
