@@ -30,11 +30,12 @@ from decode import HFGenerate  # noqa: E402
 class Tiered:
     """The sparse engine over a neuron store for one budget (None: fully resident, no store)."""
 
-    def __init__(self, ckpt, budget, context, threads, dtype):
+    def __init__(self, ckpt, budget, plan, context, threads, dtype):
         from sparseforge.runtime.engine import Engine
         from sparseforge.runtime.store import tiered_units
 
-        self.store = None if budget is None else tiered_units(ckpt, budget, dtype, context=context, progress=False)
+        self.plan = plan
+        self.store = None if plan is None else tiered_units(ckpt, plan, dtype, context=context, progress=False)
         self.engine = Engine.load(ckpt, mode="sparse", weight_dtype=dtype, context=context, threads=threads, units=self.store, progress=False)
         where = "resident" if budget is None else f"{budget} MLP resident"
         self.name = f"sparseforge sparse {dtype}, {where}"
@@ -71,7 +72,9 @@ class Tiered:
 class Offload:
     """HF transformers generate with accelerate disk offload under a weight budget."""
 
-    def __init__(self, ckpt, budget, weight_bytes):
+    def __init__(self, ckpt, budget, plan):
+        weight_bytes = plan["budget_bytes"] - plan["always_touched"]["kv_cache"]
+        self.plan = plan
         self.folder = tempfile.TemporaryDirectory(prefix="sparseforge-offload-")
         self.hf = HFGenerate(ckpt, torch.float32, None, label=f", accelerate disk offload at {budget}", device_map="auto",
                              max_memory={"cpu": weight_bytes}, offload_folder=self.folder.name)  # fmt: skip
@@ -133,11 +136,10 @@ def main() -> None:
     env, bandwidth = setup(args.threads)
     ckpt = Path(args.ckpt)
     plans = {b: make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype=args.dtype)) for b in args.budgets}
-    contestants = [Tiered(ckpt, None, args.context, args.threads, args.dtype)]
-    contestants += [Tiered(ckpt, b, args.context, args.threads, args.dtype) for b in args.budgets]
+    contestants = [Tiered(ckpt, None, None, args.context, args.threads, args.dtype)]
+    contestants += [Tiered(ckpt, b, plans[b], args.context, args.threads, args.dtype) for b in args.budgets]
     for b in args.hf_budgets:
-        hf_plan = make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype="float32"))
-        contestants.append(Offload(ckpt, b, hf_plan["budget_bytes"] - hf_plan["always_touched"]["kv_cache"]))
+        contestants.append(Offload(ckpt, b, make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype="float32"))))
     from transformers import AutoTokenizer
 
     ids = pretrain_prompt(AutoTokenizer.from_pretrained(ckpt, trust_remote_code=True), args.prompt_tokens)
@@ -157,8 +159,8 @@ def main() -> None:
         row = {"engine": c.name, "budget": c.budget, "decode_tps": median([x["decode_tps"] for x in r]),
                "prefill_tps": args.prompt_tokens / median([x["prefill_s"] for x in r]),
                "hit_rate": median([x.get("hit_rate") for x in r]), "bytes_read_per_token": median([x.get("bytes_read_per_token") for x in r]),
-               "budget_bytes": plans[c.budget]["budget_bytes"] if isinstance(c, Tiered) and c.budget else None, "resident_mlp_bytes": getattr(c, "resident", None),
-               "expected_hit_rate": plans[c.budget]["expected_hit_rate"] if isinstance(c, Tiered) and c.budget else None, "decode_all": [x["decode_tps"] for x in r]}  # fmt: skip
+               "budget_bytes": c.plan["budget_bytes"] if c.plan else None, "resident_mlp_bytes": getattr(c, "resident", None),
+               "expected_hit_rate": c.plan["expected_hit_rate"] if c.plan else None, "decode_all": [x["decode_tps"] for x in r]}  # fmt: skip
         row["mb_read_per_token"] = row["bytes_read_per_token"] / 1e6 if row["bytes_read_per_token"] is not None else None
         if isinstance(c, Tiered) and c.store:
             row["record_mb_per_token"] = median([x["record_bytes_per_token"] for x in r]) / 1e6

@@ -121,6 +121,8 @@ class TieredUnit:
             return Request(ready_n, ready_s, None, lambda: self._unpin(pinned, []))
         rest_n = np.concatenate([ids[late], missing]) if any_late else missing
         rest_s = np.concatenate([slots[late], job.slots if job else missing]) if any_late else job.slots
+        if job:  # queued last: the reader thread's Python then runs while the engine is in a kernel, not contending for the GIL here
+            s.submit(job)
         return Request(ready_n, ready_s, lambda: self._wait(waits, rest_n, rest_s), lambda: self._unpin(pinned, waits))
 
     def stats(self) -> dict:
@@ -130,7 +132,8 @@ class TieredUnit:
     # ---------------------------------------------------------------- cache mechanics
 
     def _load(self, neurons: np.ndarray) -> _Job:
-        """Claim pool slots for `neurons` (LRU victims among unpinned slots, of any unit) and queue their read."""
+        """Claim pool slots for `neurons` (LRU victims among unpinned slots, of any unit): their read job, for
+        request() to queue."""
         s, m = self.store, neurons.size
         p0 = s.pool_start
         free = s.pins[p0:] == 0
@@ -154,7 +157,6 @@ class TieredUnit:
         s.loading[victims] = True
         job = _Job(self, neurons, victims)
         self.jobs = [j for j in self.jobs if not j.done.is_set()] + [job]
-        s.submit(job)
         return job
 
     def _wait(self, jobs: list[_Job], neurons: np.ndarray, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
