@@ -268,6 +268,36 @@ def test_reader_errors_reach_the_engine_thread_and_the_thread_shuts_down(llama, 
         unit.request(cold[:1])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int8", "bfloat16"])
+def test_reader_thread_runs_no_torch_op(llama, dtype, monkeypatch):
+    """A torch op on the reader thread starts a second OpenMP team there, and the engine's kernels then ran at
+    half speed (docs/runtime.md "Neuron store"): the reader may only view tensors and hand them to numpy."""
+    from torch.overrides import TorchFunctionMode
+
+    from sparseforge.runtime.store import TieredUnit
+
+    calls = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    run = TieredUnit._run
+
+    def recorded(unit, job):
+        with Record():  # torch function modes are per thread: this one sees the reader thread's calls only
+            run(unit, job)
+
+    monkeypatch.setattr(TieredUnit, "_run", recorded)
+    reference = _unit_reference(llama, 0, 0, dtype)[0]
+    with tiered_units(llama, _plan(llama, "20%", dtype), dtype, min_cold_slots=16, progress=False) as store:
+        unit = store(0, 0)
+        cold = torch.tensor([n for n in range(I) if unit.slot_of[n] < 0])[:10]
+        _run_requests(unit, reference, [cold])
+    assert calls and set(calls) <= {"__get__", "numpy", "view", "from_numpy"}, sorted(set(calls))
+
+
 def test_plan_dtype_and_engine_dtype_must_match(llama):
     with pytest.raises(SparseforgeError, match="plan was made for dtype float32, the engine runs int8"):
         tiered_units(llama, _plan(llama, "25%"), "int8", progress=False)
