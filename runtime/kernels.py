@@ -8,7 +8,9 @@ prefetch thread runs while a kernel computes). Without a compiler, or with `SPAR
 kernel falls back to PyTorch ops (index_select + matmul); tests check both paths against each other.
 
 Weights come as float32, bfloat16, float16, or int8 with one float32 scale per row; activations and
-accumulation are float32.
+accumulation are float32, except that int8 rows meet their input vector quantized to int8 in blocks of 32
+(`quantize_activations`, llama.cpp's Q8_0 scheme): the products are integer, and the int8 kernels then run at
+the memory bandwidth instead of at the rate the CPU converts int8 to float (docs/runtime.md "Kernels").
 """
 
 import ctypes
@@ -37,7 +39,7 @@ _i64 = ctypes.c_int64
 _f32 = ctypes.c_float
 _int = ctypes.c_int
 _SIGNATURES = {
-    "sf_matvec": (None, [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p, _int]),
+    "sf_matvec": (_int, [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p, _int]),
     "sf_predict": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _i64, _p, _f32, _p, _p, _int]),
     "sf_sparse_mlp": (_int, [_p, _p, _int, _i64, _p, _i64, _p, _int, _f32, _f32, _p, _p, _int]),
     "sf_attention_decode": (None, [_p, _p, _p, _p, _f32, _i64, _p, _p, _p, _p, _p, _p, _int, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _int]),
@@ -119,6 +121,20 @@ def ptr(t: torch.Tensor | None) -> int | None:
 # -- dense rows ------------------------------------------------------------------------------------------
 
 
+Q8_BLOCK = 32
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What an int8 kernel multiplies its input by: x [..., K] float32 quantized per block of 32 along K (the
+    last block may be shorter) to round(x * 127 / max|x|) and scaled back by max|x| / 127. The native kernels
+    compute these same floats (quantize_q8 in csrc/sparse_kernels.c) and keep the int8 values."""
+    k = x.shape[-1]
+    blocks = torch.nn.functional.pad(x.float(), (0, -k % Q8_BLOCK)).unflatten(-1, (-1, Q8_BLOCK))
+    top = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(top > 0, 127.0 / top, torch.zeros((), dtype=top.dtype))
+    return (torch.round(blocks * inv) * (top / 127.0)).flatten(-2)[..., :k]
+
+
 def dequantize(w: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     """Weights of any kernel dtype -> float32 (int8 rows times their scales). w: [..., K], scales: [...]."""
     if scales is None:
@@ -130,14 +146,15 @@ def matvec_native(w: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tens
     """x: [N, K] float32 (contiguous), w: [R, K] -> [N, R] float32 via sf_matvec (each weight row read once)."""
     rows, cols = w.shape
     y = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    native().sf_matvec(w.data_ptr(), ptr(scales), ptr(bias), DTYPE_CODES[w.dtype], rows, cols, x.data_ptr(), x.shape[0], y.data_ptr(), threads)
+    if native().sf_matvec(w.data_ptr(), ptr(scales), ptr(bias), DTYPE_CODES[w.dtype], rows, cols, x.data_ptr(), x.shape[0], y.data_ptr(), threads):
+        raise MemoryError(f"sf_matvec could not allocate the int8 copy of its {x.shape[0]} x {cols} input")
     return y
 
 
 def matvec_torch(w: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """Reference of matvec_native: x [N, K] @ dequantize(w).T (+ bias) -> [N, R]."""
+    """Reference of matvec_native: x [N, K] @ dequantize(w).T (+ bias) -> [N, R] (int8 w: x quantized first)."""
     weight = w if w.dtype == torch.float32 and scales is None else dequantize(w, scales)
-    return torch.nn.functional.linear(x, weight, bias)
+    return torch.nn.functional.linear(quantize_activations(x) if w.dtype == torch.int8 else x, weight, bias)
 
 
 # -- predictor -------------------------------------------------------------------------------------------
@@ -179,11 +196,12 @@ def sparse_mlp_native(bundles: torch.Tensor, scales: torch.Tensor | None, slots:
 def sparse_mlp_torch(bundles: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor, activation: GatedActivation,
                      keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch path (and reference): x [N, H] float32, `slots` [k] -> (y [N, H] = h @ down, h [N, k]) with
-    h = act(x @ gate.T, x @ up.T), zeroed where keep [N, k] (bool) is False."""
+    h = act(x @ gate.T, x @ up.T), zeroed where keep [N, k] (bool) is False (int8 bundles: x quantized first)."""
     b = bundles.index_select(0, slots)  # [k, 3, H]
+    xq = quantize_activations(x) if bundles.dtype == torch.int8 else x
     b = dequantize(b, None if scales is None else scales.index_select(0, slots))
-    g = x @ b[:, 0].T  # [N, k]
-    u = x @ b[:, 1].T
+    g = xq @ b[:, 0].T  # [N, k]
+    u = xq @ b[:, 1].T
     h = activation(g, u)
     if keep is not None:
         h = torch.where(keep, h, torch.zeros((), dtype=h.dtype))

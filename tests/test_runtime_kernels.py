@@ -62,6 +62,22 @@ def test_matvec_native_equals_torch(dtype, rows, nx):
         torch.testing.assert_close(kernels.matvec_native(w, scales, b, x, 2), kernels.matvec_torch(w, scales, b, x), atol=1e-4, rtol=1e-4)
 
 
+def test_int8_inputs_are_quantized_per_block_of_32():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 70, generator=g) * torch.linspace(0.1, 10, 70)  # 70: two full blocks and a tail of 6
+    x[1, 32:64] = 0.0  # an all-zero block stays zero
+    xq = kernels.quantize_activations(x)
+    for b0 in (0, 32, 64):
+        block, got = x[:, b0 : b0 + 32], xq[:, b0 : b0 + 32]
+        step = block.abs().amax(dim=-1, keepdim=True) / 127
+        assert ((got - block).abs() <= step / 2 + 1e-6).all()  # round to nearest on a grid of max|x| / 127
+        levels = torch.where(step > 0, got / step.clamp(min=1e-30), torch.zeros(()))
+        assert torch.allclose(levels, levels.round(), atol=1e-3) and levels.abs().max() <= 127 + 1e-3
+    assert torch.equal(xq[1, 32:64], torch.zeros(32))
+    w, scales = _store(torch.randn(8, 70, generator=g), "int8")  # the int8 kernels multiply by exactly these inputs
+    torch.testing.assert_close(kernels.matvec_native(w, scales, None, x, 2), xq @ kernels.dequantize(w, scales).T, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_predict_native_equals_torch(dtype):
     g = torch.Generator().manual_seed(3)
