@@ -6,7 +6,7 @@ Q4_1 file.
     python benchmarks/decode.py --threads 2 --powerinfer BIN --powerinfer-gguf F16=x.gguf Q4_0=y.gguf
 
 Precisions: fp32 (sparseforge float32, HF float32, llama.cpp F32) and fp16 (sparseforge float16, HF bfloat16 —
-HF's CPU fp16 matmuls are not a fair baseline — llama.cpp F16); int8 (sparseforge weight-only int8) beside
+HF's CPU fp16 matmuls are not a fair baseline — llama.cpp F16); int8 (sparseforge int8 weights, int8 × int8 dots) beside
 llama.cpp Q4_1. llama.cpp runs the checkpoint's own weights exported to GGUF (benchmarks/gguf_export.py: SwiGLU
 in place of dReLU, same matrices, same bytes) from `llama-cpp-python`, or a `llama-bench` binary (--llama-bench);
 its rows are skipped with a note when neither is available. sparseforge oracle (exact masks) computes every gate

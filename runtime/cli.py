@@ -61,7 +61,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("sparse", "dense", "oracle"), default="sparse",
                    help="sparse: compute the neurons the predictors select; dense: every neuron (the baseline); oracle: the exact "
                    "firing mask (computes the gate/up rows to find it; for parity checks)")  # fmt: skip
-    p.add_argument("--weight-dtype", choices=DTYPE_CHOICES, default="float32", help="weight dtype the engine computes with (int8: weight-only)")
+    p.add_argument("--weight-dtype", choices=DTYPE_CHOICES, default="float32", help="weight dtype the engine computes with (int8: int8 weights, inputs of their dot products quantized per block of 32)")
     p.add_argument("--context", type=int, default=2048, help="tokens of KV cache: prompt + generated tokens must fit")
     p.add_argument("--fast-memory", metavar="SIZE", default=None,
                    help="keep only this much resident (as for `sparseforge plan`: 300MB, 1.5GiB, 25%%); hot neurons pinned, cold "

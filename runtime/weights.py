@@ -11,8 +11,9 @@ The default, `resident_unit`, keeps all of a unit's bundles in memory; a tiered 
 factory and reads what it needs through `reader` (`reader.mlp(layer, expert)`, `reader.weight_dtype`).
 Dense mode with the default factory keeps the MLPs as plain [I, H] matrices instead (the fair baseline).
 
-Weight dtypes: float32, bfloat16, float16 (every matrix converted), or int8 (weight-only, symmetric, one
-float32 scale per row of every matrix; 1-D tensors stay float32) — as docs/formats.md "plan.json" counts them.
+Weight dtypes: float32, bfloat16, float16 (every matrix converted), or int8 (symmetric, one float32 scale per
+row of every matrix; 1-D tensors stay float32; the kernels quantize the inputs of int8 dot products per block
+of 32, runtime/kernels.py) — as docs/formats.md "plan.json" counts them.
 """
 
 import json
