@@ -300,18 +300,10 @@ class BundleFile:
                 )
         seen[positions[todo]] = True
 
-    def decode(self, records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """records uint8 [n, record_bytes] -> (bundles [n, 3, H] in the file dtype, scales float32 [n, 3] or None)."""
-        n, h = records.shape[0], self.hidden
-        if self.dtype == "int8":
-            q = records[:, : 3 * h].contiguous().view(torch.int8).reshape(n, 3, h)
-            return q, records[:, 3 * h :].contiguous().view(torch.float32).reshape(n, 3)
-        return records.view(TORCH_DTYPES[self.dtype]).reshape(n, 3, h), None
-
     def scatter(self, records: torch.Tensor, slots: np.ndarray, bundles: torch.Tensor, scales: torch.Tensor | None) -> None:
         """Copy records uint8 [n, record_bytes] into rows `slots` (int64 [n]) of bundles [S, 3, H] in the file dtype
-        (and of scales float32 [S, 3] for int8): decode() + index_copy_ in effect, in numpy with each row one
-        item. Not torch: torch ops on the store's reader thread start a second OpenMP team there, and the
+        (and of scales float32 [S, 3] for int8; a record is the bundle's rows, then for int8 its three scales), in
+        numpy with each row one item. Not torch: torch ops on the store's reader thread start a second OpenMP team there, and the
         decode kernels then ran at half speed (docs/runtime.md "Neuron store")."""
         rec = records.numpy()
         rows = 3 * self.hidden * TORCH_DTYPES[self.dtype].itemsize

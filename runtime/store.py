@@ -147,7 +147,7 @@ class TieredUnit:
         victims = (np.argpartition(key, m - 1)[:m] if m < key.size else np.arange(key.size)) + p0
         owners = s.owner[victims]
         for o in np.unique(owners[owners >= 0]).tolist():  # evicted neurons leave their units
-            s.units_by_index[o].slot_of[s.neuron_in[victims[owners == o]]] = -1
+            s.units[o].slot_of[s.neuron_in[victims[owners == o]]] = -1
         self.counts["evictions"] += int(np.count_nonzero(owners >= 0))
         self.counts["misses"] += m
         self.slot_of[neurons] = victims
@@ -213,9 +213,9 @@ class NeuronStore:
         self.per_neuron = plan["bytes_per_neuron"]
         self.hot, self.pool_slots = split_slots(plan, self.ckpt, cache_fraction, min_cold_slots)
         self.file: BundleFile = ensure_bundles(ckpt, weight_dtype, build=build, progress=progress, io=io, verify=verify, merge_gap=merge_gap)
-        self.offsets, at = {}, 0
-        for key, ids in self.hot.items():  # the units' hot ranges in key order, then the pool
-            self.offsets[key], at = at, at + int(ids.numel())
+        self.offsets, at = {}, 0  # (layer, expert) -> (unit index, first arena slot of its hot range)
+        for index, (key, ids) in enumerate(self.hot.items()):  # the units' hot ranges in key order, then the pool
+            self.offsets[key], at = (index, at), at + int(ids.numel())
         self.pool_start = at
         n = at + self.pool_slots
         with torch.inference_mode(False):  # normal tensors: the reader thread writes them outside inference mode
@@ -227,8 +227,7 @@ class NeuronStore:
         self.last_use = np.zeros(n, dtype=np.int64)  # LRU clock per slot
         self.loading = np.zeros(n, dtype=bool)  # a queued read will fill the slot
         self.clock = 0
-        self.units: dict[tuple[int, int], TieredUnit] = {}
-        self.units_by_index: dict[int, TieredUnit] = {}
+        self.units: list[TieredUnit | None] = [None] * len(self.hot)  # by unit index, as `owner` names them
         self.wait_seconds = 0.0
         self.io_seconds = 0.0
         self.closed = False
@@ -241,10 +240,8 @@ class NeuronStore:
         if reader is not None and reader.weight_dtype != self.weight_dtype:
             raise SparseforgeError(f"the neuron store holds {self.weight_dtype} bundles, the engine loads {reader.weight_dtype}; "
                                    "pass the same weight_dtype to tiered_units and Engine.load")  # fmt: skip
-        key = (layer, expert)
-        index = list(self.offsets).index(key)
-        unit = TieredUnit(self, layer, expert, index, self.offsets[key], self.hot[key])
-        self.units[key] = self.units_by_index[index] = unit
+        index, offset = self.offsets[(layer, expert)]
+        self.units[index] = unit = TieredUnit(self, layer, expert, index, offset, self.hot[(layer, expert)])
         return unit
 
     def fill(self, slots: np.ndarray, result) -> None:
@@ -269,13 +266,17 @@ class NeuronStore:
                 self.io_seconds += time.perf_counter() - start
                 job.done.set()
 
+    def loaded(self) -> list[TieredUnit]:
+        """The units the engine has asked for so far."""
+        return [u for u in self.units if u is not None]
+
     def resident_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.bundles, self.scales) if t is not None)
 
     def stats(self) -> dict:
         """Counters summed over units, hit rate, resident bytes against the plan's MLP budget, the I/O mode."""
         total = dict.fromkeys(COUNTERS, 0)
-        for unit in self.units.values():
+        for unit in self.loaded():
             for k in COUNTERS:
                 total[k] += unit.counts[k]
         n = max(total["neurons"], 1)
@@ -288,7 +289,7 @@ class NeuronStore:
             "mlp_budget_bytes": self.plan["mlp"]["budget_bytes"],
             "hot_neurons": self.pool_start,
             "cache_slots": self.pool_slots,
-            "load_bytes": sum(u.load_bytes for u in self.units.values()),
+            "load_bytes": sum(u.load_bytes for u in self.loaded()),
             "io": self.file.io,
             "wait_seconds": self.wait_seconds,
             "io_seconds": self.io_seconds,

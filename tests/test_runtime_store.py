@@ -4,6 +4,7 @@ mechanics, the reader thread, and a disk-backed engine run against the fully res
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from tiny import profiled_checkpoint, tiny_tokenizer
@@ -12,7 +13,7 @@ from sparseforge.errors import SparseforgeError
 from sparseforge.predictors.fit import FittedUnit
 from sparseforge.predictors.model import LowRankPredictor
 from sparseforge.predictors.store import save_predictors
-from sparseforge.runtime.bundles import BundleFile, build_bundles, bundle_paths, bundles_up_to_date, ensure_bundles
+from sparseforge.runtime.bundles import TORCH_DTYPES, BundleFile, build_bundles, bundle_paths, bundles_up_to_date, ensure_bundles
 from sparseforge.runtime.plan import PlanRequest, make_plan, parse_size
 from sparseforge.runtime.store import NeuronStore, tiered_units
 from sparseforge.runtime.units import make_bundles
@@ -46,6 +47,15 @@ def _plan(ckpt, size, dtype="float32"):
     return make_plan(ckpt, PlanRequest(parse_size(size), context=64, dtype=dtype))
 
 
+def _decode(f, records):
+    """Records read from a bundle file -> (bundles [n, 3, H] in its dtype, scales [n, 3] or None), via BundleFile.scatter."""
+    n = records.shape[0]
+    bundles = torch.empty(n, 3, f.hidden, dtype=TORCH_DTYPES[f.dtype])
+    scales = torch.empty(n, 3) if f.dtype == "int8" else None
+    f.scatter(records, np.arange(n), bundles, scales)
+    return bundles, scales
+
+
 def _unit_reference(ckpt, layer, expert, dtype):
     """The engine's own resident bundles of a unit (runtime/weights.py), the ground truth."""
     return convert(make_bundles(*WeightReader(ckpt, dtype).mlp(layer, expert)), dtype)
@@ -67,7 +77,7 @@ def test_bundle_file_round_trip_equals_the_weights(family, dtype, request):
             want, want_scales = _unit_reference(ckpt, row["layer"], row["expert"], dtype)
             pos = f.positions(row["layer"], row["expert"])
             ids = torch.randperm(I)[:50]  # any subset, any order
-            got, scales = f.decode(f.read(row["layer"], row["expert"], pos[ids].numpy()).records)
+            got, scales = _decode(f, f.read(row["layer"], row["expert"], pos[ids].numpy()).records)
             assert got.dtype == want.dtype and torch.equal(got, want[ids])
             if dtype == "int8":
                 assert torch.equal(scales, want_scales[ids])
@@ -140,7 +150,7 @@ def test_io_modes_read_the_same_records(llama, io):
         try:
             res = f.read(0, 0, [5, 6, 4, 7, 90, 3])
             order = torch.tensor(f.index["units"][0]["order"])
-            assert torch.equal(f.decode(res.records)[0], want[order[[5, 6, 4, 7, 90, 3]]])
+            assert torch.equal(_decode(f, res.records)[0], want[order[[5, 6, 4, 7, 90, 3]]])
             assert res.reads == reads and res.bytes_read >= (6 if gap == 0 else 88) * f.record
             assert f.io in ("direct", "fadvise") if io == "direct" else f.io == io
         finally:

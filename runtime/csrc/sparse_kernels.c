@@ -295,26 +295,43 @@ static SF_INLINE int threads_for(int nthreads, int64_t work) {
     return work < 64 ? 1 : nthreads;  /* too little work to pay for waking a team */
 }
 
-/* y[b * rows + r] = scale[r] * dot(W[r], x[b]) (+ bias[r]) for b < nx. W: [rows, cols] row-major. */
+/* Dot products with x in the form the row dtype needs: int8 rows take x quantized as (q, d) (one row of
+ * quantize_q8), other dtypes take x itself. dtype is a compile-time constant in each kernel copy (SF_DISPATCH),
+ * so the branch folds away. */
+static SF_INLINE float dot_x(const void *w, const float *x, const int8_t *q, const float *d, int64_t n, int dtype) {
+    return dtype == SF_I8 ? dot_q8((const int8_t *)w, q, d, n) : dot(w, x, n, dtype);
+}
+
+static SF_INLINE void dot4_x(const char *const *r, const float *x, const int8_t *q, const float *d, int64_t n, int dtype, float *out,
+                             const char *const *next) {
+    if (dtype == SF_I8)
+        dot4_q8((const int8_t *)r[0], (const int8_t *)r[1], (const int8_t *)r[2], (const int8_t *)r[3], q, d, n, out, next);
+    else
+        dot4(r[0], r[1], r[2], r[3], x, n, dtype, out, next);
+}
+
+/* y[b * rows + r] = scale[r] * dot(W[r], x[b]) (+ bias[r]) for b < nx. W: [rows, cols] row-major. For int8 W,
+ * (q, d) are the nx rows of x quantized: q [nx, cols], d [nx, q8_blocks(cols)]. */
 static SF_INLINE void matvec_impl(const void *W, const float *scales, const float *bias, const int dtype, int64_t rows, int64_t cols,
-                                   const float *x, int64_t nx, float *y, int nthreads) {
+                                   const float *x, const int8_t *q, const float *d, int64_t nx, float *y, int nthreads) {
     const char *base = (const char *)W;
-    int64_t row_bytes = cols * ELEM_SIZE[dtype], blocks = (rows + 3) / 4;
+    int64_t row_bytes = cols * ELEM_SIZE[dtype], blocks = (rows + 3) / 4, nb = q8_blocks(cols);
 #pragma omp parallel for schedule(dynamic, 16) num_threads(threads_for(nthreads, rows))
     for (int64_t blk = 0; blk < blocks; blk++) {
         int64_t r0 = blk * 4;
         if (nx == 1 && r0 + 4 <= rows) {
             const char *w = base + r0 * row_bytes;
+            const char *r[4] = {w, w + row_bytes, w + 2 * row_bytes, w + 3 * row_bytes};
             const char *next[4] = {w + 4 * row_bytes, w + 5 * row_bytes, w + 6 * row_bytes, w + 7 * row_bytes};
-            float d[4];
-            dot4(w, w + row_bytes, w + 2 * row_bytes, w + 3 * row_bytes, x, cols, dtype, d, r0 + 8 <= rows ? next : NULL);
-            for (int k = 0; k < 4; k++) y[r0 + k] = (scales ? scales[r0 + k] : 1.0f) * d[k] + (bias ? bias[r0 + k] : 0.0f);
+            float o[4];
+            dot4_x(r, x, q, d, cols, dtype, o, r0 + 8 <= rows ? next : NULL);
+            for (int k = 0; k < 4; k++) y[r0 + k] = (scales ? scales[r0 + k] : 1.0f) * o[k] + (bias ? bias[r0 + k] : 0.0f);
             continue;
         }
         for (int64_t r = r0; r < r0 + 4 && r < rows; r++) {
             const void *w = base + r * row_bytes;
             float sc = scales ? scales[r] : 1.0f, b = bias ? bias[r] : 0.0f;
-            for (int64_t j = 0; j < nx; j++) y[j * rows + r] = sc * dot(w, x + j * cols, cols, dtype) + b;
+            for (int64_t j = 0; j < nx; j++) y[j * rows + r] = sc * dot_x(w, x + j * cols, q + j * cols, d + j * nb, cols, dtype) + b;
         }
     }
 }
@@ -328,48 +345,26 @@ static SF_INLINE void matvec_impl(const void *W, const float *scales, const floa
     default: CALL(SF_I8); break;                            \
     }
 
-/* matvec_impl for int8 W and the nx rows of x quantized: q [nx, cols], d [nx, q8_blocks(cols)] */
-static void matvec_q8(const int8_t *W, const float *scales, const float *bias, int64_t rows, int64_t cols, const int8_t *q,
-                      const float *d, int64_t nx, float *y, int nthreads) {
-    int64_t blocks = (rows + 3) / 4, nb = q8_blocks(cols);
-#pragma omp parallel for schedule(dynamic, 16) num_threads(threads_for(nthreads, rows))
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        int64_t r0 = blk * 4;
-        if (nx == 1 && r0 + 4 <= rows) {
-            const int8_t *w = W + r0 * cols;
-            const char *next[4] = {(const char *)(w + 4 * cols), (const char *)(w + 5 * cols), (const char *)(w + 6 * cols), (const char *)(w + 7 * cols)};
-            float o[4];
-            dot4_q8(w, w + cols, w + 2 * cols, w + 3 * cols, q, d, cols, o, r0 + 8 <= rows ? next : NULL);
-            for (int k = 0; k < 4; k++) y[r0 + k] = (scales ? scales[r0 + k] : 1.0f) * o[k] + (bias ? bias[r0 + k] : 0.0f);
-            continue;
-        }
-        for (int64_t r = r0; r < r0 + 4 && r < rows; r++) {
-            float sc = scales ? scales[r] : 1.0f, b = bias ? bias[r] : 0.0f;
-            for (int64_t j = 0; j < nx; j++) y[j * rows + r] = sc * dot_q8(W + r * cols, q + j * cols, d + j * nb, cols) + b;
-        }
-    }
-}
-
 /* 0, or -1 when int8 with nx > 1 could not allocate the quantized rows (y untouched then) */
 int sf_matvec(const void *W, const float *scales, const float *bias, int dtype, int64_t rows, int64_t cols,
               const float *x, int64_t nx, float *y, int nthreads) {
+    int8_t *q = NULL;
+    float *d = NULL;
+    int64_t nb = q8_blocks(cols);
+    int8_t one_q[dtype == SF_I8 && nx == 1 ? cols : 1];  /* one int8 row (decode): on the stack */
+    float one_d[dtype == SF_I8 && nx == 1 ? nb : 1];
     if (dtype == SF_I8) {
-        int64_t nb = q8_blocks(cols);
-        int8_t one_q[nx == 1 ? cols : 1];  /* one row (decode): on the stack */
-        float one_d[nx == 1 ? nb : 1];
-        int8_t *q = nx == 1 ? one_q : malloc((size_t)(nx * cols));
-        float *d = nx == 1 ? one_d : malloc(sizeof(float) * (size_t)(nx * nb));
+        q = nx == 1 ? one_q : malloc((size_t)(nx * cols));
+        d = nx == 1 ? one_d : malloc(sizeof(float) * (size_t)(nx * nb));
         if (!q || !d) {
             if (nx != 1) free(q), free(d);
             return -1;
         }
         for (int64_t j = 0; j < nx; j++) quantize_q8(x + j * cols, cols, q + j * cols, d + j * nb);
-        matvec_q8((const int8_t *)W, scales, bias, rows, cols, q, d, nx, y, nthreads);
-        if (nx != 1) free(q), free(d);
-        return 0;
     }
-#define SF_MATVEC(DT) matvec_impl(W, scales, bias, DT, rows, cols, x, nx, y, nthreads)
+#define SF_MATVEC(DT) matvec_impl(W, scales, bias, DT, rows, cols, x, q, d, nx, y, nthreads)
     SF_DISPATCH(SF_MATVEC)
+    if (dtype == SF_I8 && nx != 1) free(q), free(d);
     return 0;
 }
 
@@ -452,10 +447,7 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
             float d[4];
             block_rows(base, bundle_bytes, 0, slots, NULL, k0, n, r);
             if (k0 + 4 < n) block_rows(base, bundle_bytes, 0, slots, NULL, k0 + 4, n, next);
-            if (dtype == SF_I8)
-                dot4_q8((const int8_t *)r[0], (const int8_t *)r[1], (const int8_t *)r[2], (const int8_t *)r[3], xq, xd, hidden, d, k0 + 4 < n ? next : NULL);
-            else
-                dot4(r[0], r[1], r[2], r[3], x, hidden, dtype, d, k0 + 4 < n ? next : NULL);
+            dot4_x(r, x, xq, xd, hidden, dtype, d, k0 + 4 < n ? next : NULL);
             for (int j = 0; j < 4 && k0 + j < n; j++) g[k0 + j] = scales ? d[j] * scales[3 * slots[k0 + j]] : d[j];
         }
 #pragma omp single
@@ -466,10 +458,7 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
             float u[4];
             block_rows(base, bundle_bytes, row_bytes, slots, live, k0, nl, r);
             if (k0 + 4 < nl) block_rows(base, bundle_bytes, row_bytes, slots, live, k0 + 4, nl, next);
-            if (dtype == SF_I8)
-                dot4_q8((const int8_t *)r[0], (const int8_t *)r[1], (const int8_t *)r[2], (const int8_t *)r[3], xq, xd, hidden, u, k0 + 4 < nl ? next : NULL);
-            else
-                dot4(r[0], r[1], r[2], r[3], x, hidden, dtype, u, k0 + 4 < nl ? next : NULL);
+            dot4_x(r, x, xq, xd, hidden, dtype, u, k0 + 4 < nl ? next : NULL);
             for (int j = 0; j < 4 && k0 + j < nl; j++) {
                 int64_t k = live[k0 + j];
                 const float *sc = scales ? scales + 3 * slots[k] : NULL;
