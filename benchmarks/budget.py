@@ -28,15 +28,16 @@ from decode import HFGenerate  # noqa: E402
 
 
 class Tiered:
-    """The sparse engine over a neuron store for one budget (None: fully resident, no store)."""
+    """The sparse engine over a neuron store for one plan (None: fully resident, no store)."""
 
-    def __init__(self, ckpt, budget, plan, context, threads, dtype):
+    def __init__(self, ckpt, plan, context, threads, dtype):
         from sparseforge.runtime.engine import Engine
         from sparseforge.runtime.store import tiered_units
 
         self.plan = plan
         self.store = None if plan is None else tiered_units(ckpt, plan, dtype, context=context, progress=False)
         self.engine = Engine.load(ckpt, mode="sparse", weight_dtype=dtype, context=context, threads=threads, units=self.store, progress=False)
+        budget = plan["fast_memory"] if plan else None  # the plan's --fast-memory text, e.g. "25%"
         where = "resident" if budget is None else f"{budget} MLP resident"
         self.name = f"sparseforge sparse {dtype}, {where}"
         self.budget = budget
@@ -72,10 +73,11 @@ class Tiered:
 class Offload:
     """HF transformers generate with accelerate disk offload under a weight budget."""
 
-    def __init__(self, ckpt, budget, plan):
+    def __init__(self, ckpt, plan):
         weight_bytes = plan["budget_bytes"] - plan["always_touched"]["kv_cache"]
         self.plan = plan
         self.folder = tempfile.TemporaryDirectory(prefix="sparseforge-offload-")
+        budget = plan["fast_memory"]
         self.hf = HFGenerate(ckpt, torch.float32, None, label=f", accelerate disk offload at {budget}", device_map="auto",
                              max_memory={"cpu": weight_bytes}, offload_folder=self.folder.name)  # fmt: skip
         self.name, self.budget = self.hf.name, budget
@@ -136,10 +138,10 @@ def main() -> None:
     env, bandwidth = setup(args.threads)
     ckpt = Path(args.ckpt)
     plans = {b: make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype=args.dtype)) for b in args.budgets}
-    contestants = [Tiered(ckpt, None, None, args.context, args.threads, args.dtype)]
-    contestants += [Tiered(ckpt, b, plans[b], args.context, args.threads, args.dtype) for b in args.budgets]
+    contestants = [Tiered(ckpt, None, args.context, args.threads, args.dtype)]
+    contestants += [Tiered(ckpt, plans[b], args.context, args.threads, args.dtype) for b in args.budgets]
     for b in args.hf_budgets:
-        contestants.append(Offload(ckpt, b, make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype="float32"))))
+        contestants.append(Offload(ckpt, make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype="float32"))))
     from transformers import AutoTokenizer
 
     ids = pretrain_prompt(AutoTokenizer.from_pretrained(ckpt, trust_remote_code=True), args.prompt_tokens)
