@@ -226,6 +226,9 @@ def load_unit_predictors(ckpt: str | Path, weight_dtype: str) -> dict[tuple[int,
         if model is None:
             out[key] = None
         else:
-            fc1, fc2 = (convert(m.weight.detach(), weight_dtype) for m in (model.fc1, model.fc2))
-            out[key] = UnitPredictor(fc1, fc2, predictors.thresholds[key])
+            w1, w2 = model.fc1.weight.detach(), model.fc2.weight.detach()
+            if weight_dtype == "int8":  # rank padded with zero units to whole blocks of 32: no scalar tail in fc2's short int8 rows
+                pad = -w1.shape[0] % kernels.Q8_BLOCK  # (rank 120 took 46 us a layer, rank 128 padded 15; same scores)
+                w1, w2 = torch.nn.functional.pad(w1, (0, 0, 0, pad)), torch.nn.functional.pad(w2, (0, pad))
+            out[key] = UnitPredictor(convert(w1, weight_dtype), convert(w2, weight_dtype), predictors.thresholds[key])
     return out

@@ -255,3 +255,29 @@ def test_custom_units_factory_gives_the_resident_result(ckpts, family, mode):
         torch.testing.assert_close(_engine_logits(engine, ids, 4), ref, atol=2e-5, rtol=1e-4)
         assert engine.stats()["units"]["releases"] > 0
         assert all(u.open == 0 for lw in engine.weights.layers for u in lw.units)
+
+
+@pytest.mark.skipif(kernels.native() is None, reason="no C compiler: the native kernels did not build")
+@pytest.mark.parametrize("mode", ["sparse", "oracle", "dense"])
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_lean_decode_equals_the_general_path(ckpts, mode, dtype):
+    """The prepared per-layer kernel calls (runtime/decode.py LeanMLP) give the general path's logits and its
+    counters: neurons computed and fired, bytes touched, predictor time counted."""
+    _, ckpt = ckpts["llama"]
+    ids = _ids(1, 9, seed=3)
+    runs = []
+    for lean in (True, False):
+        engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=16, progress=False)
+        assert (engine._row.lean is not None) and engine._row.lean.mode == mode
+        if not lean:
+            engine._row.lean = None  # every layer through Engine._mlp_row
+        logits = _engine_logits(engine, ids, 4)
+        engine.reset_stats()
+        _engine_logits(engine, ids, 4)  # counters after a reset: the lean path must follow the new ones
+        s = engine.stats()
+        runs.append((logits, s))
+    (lean_logits, lean_stats), (general_logits, general_stats) = runs
+    torch.testing.assert_close(lean_logits, general_logits, atol=1e-5, rtol=1e-5)
+    for key in ("neurons_computed_fraction", "neurons_fired_fraction", "bytes_touched_per_decode_token", "decode_tokens"):
+        assert lean_stats[key] == pytest.approx(general_stats[key]), key
+    assert (lean_stats["predictor_seconds"] > 0) == (mode == "sparse")

@@ -14,6 +14,7 @@
  *                  makes the activation zero skips reading its up row and down column, one whose
  *                  activation is zero skips its down column; counts[0], counts[1] report how many
  *                  up rows and down columns were read (so the engine counts the bytes it touched).
+ *   sf_gated_act   the dense mode's activation of one row (gate and up from one stacked matvec)
  *   sf_attention_decode  a whole attention block for one row at one position (norms, qkv, RoPE, KV-cache
  *                  write, GQA attention, o projection, residual), so a decode step costs a few calls per layer.
  *
@@ -489,6 +490,18 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
     counts[1] += nf;
     free(g), free(h), free(live), free(fired);
     return 0;
+}
+
+/* The dense MLP's activation for one row: h[i] = act(g[i], u[i]) with gate_up = [g (n values); u (n values)]
+ * (the dense mode's gate_up matvec output); zero where the gate alone zeroes it. Returns how many h[i] != 0. */
+int64_t sf_gated_act(const float *gate_up, int64_t n, int act, float threshold, float *h) {
+    int64_t fired = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float g = gate_up[i], u = gate_up[n + i];
+        h[i] = gate_kills(act, g, threshold) ? 0.0f : activation(act, g, u, threshold);
+        fired += h[i] != 0.0f;
+    }
+    return fired;
 }
 
 /* 0, or -1 when its scratch lists (4 x n entries) could not be allocated (nothing is added to y then) */
