@@ -7,7 +7,8 @@ Layout of `CKPT/neurons/bundles-<dtype>.bin` (see docs/formats.md "Neuron bundle
     unit (0, 1) ... unit (L-1, E-1)
 
 A record is the unit's bundle `[3, H]` in the file's dtype (float32 / bfloat16 / float16), or for int8 the
-`[3, H]` int8 rows followed by their three float32 scales (`units.quantize_bundles`), so one positional read
+`[3, H]` int8 rows followed by their three float32 scales (`units.quantize_bundles`; the unit's per-channel
+scales of its down columns, H float32 values, are in the index), so one positional read
 of a record (or of a run of adjacent records) is everything computing those neurons needs. Within a unit the
 records are in the profile's frequency order, most frequent first: the plan's hot neurons are the head of
 each unit (one sequential read at startup) and the cold ones that fire most often sit next to each other
@@ -41,7 +42,7 @@ from sparseforge.runtime.plan import DTYPES, model_shape, neuron_bytes
 from sparseforge.runtime.units import make_bundles, quantize_bundles
 from sparseforge.runtime.weights import WeightReader
 
-BUNDLES_FORMAT_VERSION = 1
+BUNDLES_FORMAT_VERSION = 2  # 2: int8 down columns with per-channel scales (the index's "channels" per unit)
 ALIGN = 4096  # header size and unit alignment: the usual O_DIRECT logical block size and page size
 MAGIC = b"SFNEURON"
 MERGE_GAP = 128 * 1024  # bytes of unrequested records a read may span to join two runs into one read
@@ -74,13 +75,14 @@ def _file_order(ckpt: Path, layers: int, experts: int, width: int) -> tuple[torc
     return torch.argsort(counts.to(torch.int64), dim=-1, descending=True, stable=True), "profile frequency"
 
 
-def encode_records(bundles: torch.Tensor, dtype: str) -> torch.Tensor:
-    """bundles [n, 3, H] float32 -> records uint8 [n, record_bytes] in `dtype` (int8: rows then 3 float32 scales)."""
+def encode_records(bundles: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A unit's bundles [I, 3, H] float32 -> (records uint8 [I, record_bytes] in `dtype`, int8: rows then 3 float32
+    scales; the down columns' channel scales [H] for int8, else None)."""
     n = bundles.shape[0]
     if dtype == "int8":
-        q, scales = quantize_bundles(bundles)
-        return torch.cat([q.view(torch.uint8).reshape(n, -1), scales.view(torch.uint8).reshape(n, -1)], dim=1)
-    return bundles.to(TORCH_DTYPES[dtype]).contiguous().view(torch.uint8).reshape(n, -1)
+        q, scales, channels = quantize_bundles(bundles)
+        return torch.cat([q.view(torch.uint8).reshape(n, -1), scales.view(torch.uint8).reshape(n, -1)], dim=1), channels
+    return bundles.to(TORCH_DTYPES[dtype]).contiguous().view(torch.uint8).reshape(n, -1), None
 
 
 def build_bundles(ckpt: str | Path, dtype: str, progress: bool = True) -> Path:
@@ -105,11 +107,13 @@ def build_bundles(ckpt: str | Path, dtype: str, progress: bool = True) -> Path:
             names = [(i, e) for i in range(shape.layers) for e in range(shape.experts)]
             for i, e in tqdm(names, desc=f"bundles {dtype}", unit="unit", disable=not progress):
                 ids = order[i, e]
-                records = encode_records(make_bundles(*(w.float() for w in weights.mlp(i, e)))[ids], dtype).numpy()
-                raw = records.tobytes()
+                records, channels = encode_records(make_bundles(*(w.float() for w in weights.mlp(i, e)))[ids], dtype)
+                raw = records.numpy().tobytes()
                 crcs = [zlib.crc32(raw[k * record : (k + 1) * record]) for k in range(len(records))]
                 f.write(raw.ljust(unit_bytes, b"\0"))
                 units.append({"layer": i, "expert": e, "offset": offset, "order": ids.tolist(), "crc32": crcs})
+                if channels is not None:  # float32 values, exact through JSON's doubles
+                    units[-1]["channels"] = channels.tolist()
                 offset += unit_bytes
             f.flush()
             os.fsync(f.fileno())
@@ -228,6 +232,11 @@ class BundleFile:
         pos = torch.empty_like(order)
         pos[order] = torch.arange(order.numel())
         return pos
+
+    def channels(self, layer: int, expert: int) -> torch.Tensor | None:
+        """The unit's per-channel scales of its int8 down columns ([H] float32), None for other dtypes."""
+        values = self.unit_rows[(layer, expert)].get("channels")
+        return None if values is None else torch.tensor(values, dtype=torch.float32)
 
     def read(self, layer: int, expert: int, positions: np.ndarray) -> ReadResult:
         """Records at file positions `positions` (int64 [n], any order) of a unit: adjacent ones coalesced into

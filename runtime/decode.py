@@ -117,7 +117,7 @@ class LeanMLP:
                 scratch = torch.empty(w1.shape[0] + inter)
                 self.buffers.append(scratch)
                 predict = (ptr(w1), ptr(s1), ptr(w2), ptr(s2), code(w1.dtype), w1.shape[0], w1.shape[1], inter, self.xp, float(p.threshold), ptr(ids), ptr(scratch))
-            mlp = (ptr(unit.bundles), ptr(unit.scales), code(unit.bundles.dtype), unit.hidden, ptr(ids))
+            mlp = (ptr(unit.bundles), ptr(unit.scales), ptr(unit.channels), code(unit.bundles.dtype), unit.hidden, ptr(ids))
             self.calls.append((predict, mlp, (self.xnp, *act_args, 1.0, self.xp), inter))
             self.row_bytes = unit.hidden * unit.bundles.element_size() + (4 if unit.scales is not None else 0)
 

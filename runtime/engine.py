@@ -243,10 +243,10 @@ class Engine:
         act, threads, counts = self.activations[layer], self.threads, self._counters.row_counts
         for chunk in unit.order(neurons).split(unit.capacity) if neurons.numel() > unit.capacity else (neurons,):
             req = unit.request(chunk)
-            kernels.sparse_mlp_native(unit.bundles, unit.scales, req.ready_slots, xn, act, y, scale, counts, threads)
+            kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, req.ready_slots, xn, act, y, scale, counts, threads)
             _, slots = req.wait()
             if slots.numel():
-                kernels.sparse_mlp_native(unit.bundles, unit.scales, slots, xn, act, y, scale, counts, threads)
+                kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, slots, xn, act, y, scale, counts, threads)
             req.release()
         c = self._counters
         c.row_neurons += neurons.numel()
@@ -290,7 +290,7 @@ class Engine:
             req = unit.request(chunk)
             for ids, slots in ((req.ready_neurons, req.ready_slots), req.wait()):
                 if ids.numel():
-                    part, h = kernels.sparse_mlp_torch(unit.bundles, unit.scales, slots, x, act, None if keep is None else keep[:, ids])
+                    part, h = kernels.sparse_mlp_torch(unit.bundles, unit.scales, unit.channels, slots, x, act, None if keep is None else keep[:, ids])
                     y += part
                     fired += int((h != 0).sum())
             req.release()

@@ -41,7 +41,7 @@ _int = ctypes.c_int
 _SIGNATURES = {
     "sf_matvec": (_int, [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p, _int]),
     "sf_predict": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _i64, _p, _f32, _p, _p, _int]),
-    "sf_sparse_mlp": (_int, [_p, _p, _int, _i64, _p, _i64, _p, _int, _f32, _f32, _p, _p, _int]),
+    "sf_sparse_mlp": (_int, [_p, _p, _p, _int, _i64, _p, _i64, _p, _int, _f32, _f32, _p, _p, _int]),
     "sf_gated_act": (_i64, [_p, _i64, _int, _f32, _p]),
     "sf_attention_decode": (None, [_p, _p, _p, _p, _f32, _i64, _p, _p, _p, _p, _p, _p, _int, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _int]),
     "sf_rms_norm": (None, [_p, _p, _f32, _i64, _p]),
@@ -180,24 +180,26 @@ def predict_torch(fc1: Weights, fc2: Weights, threshold: float, x: torch.Tensor)
 # -- sparse MLP over bundles -----------------------------------------------------------------------------
 
 
-def sparse_mlp_native(bundles: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor, activation: GatedActivation,
-                      y: torch.Tensor, out_scale: float, counts: torch.Tensor, threads: int) -> None:
+def sparse_mlp_native(bundles: torch.Tensor, scales: torch.Tensor | None, channels: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor,
+                      activation: GatedActivation, y: torch.Tensor, out_scale: float, counts: torch.Tensor, threads: int) -> None:
     """y [H] += out_scale * sum over `slots` of act(gate . x, up . x) * down for one row x [H] (float32,
-    contiguous); bundles [S, 3, H]. counts (int64 [2]) += (up rows read, neurons fired = down columns read):
-    a neuron whose gate already zeroes the activation reads neither."""
+    contiguous); bundles [S, 3, H] (int8: with row scales [S, 3] and the down columns' channel scales [H]).
+    counts (int64 [2]) += (up rows read, neurons fired = down columns read): a neuron whose gate already zeroes
+    the activation reads neither."""
     slots = slots if slots.dtype == torch.long and slots.is_contiguous() else slots.long().contiguous()
     rc = native().sf_sparse_mlp(
-        bundles.data_ptr(), ptr(scales), DTYPE_CODES[bundles.dtype], bundles.shape[-1], slots.data_ptr(), slots.numel(),
+        bundles.data_ptr(), ptr(scales), ptr(channels), DTYPE_CODES[bundles.dtype], bundles.shape[-1], slots.data_ptr(), slots.numel(),
         x.data_ptr(), ACT_CODES[activation.kind], activation.threshold, out_scale, y.data_ptr(), counts.data_ptr(), threads,
     )
     if rc != 0:
         raise MemoryError(f"sf_sparse_mlp could not allocate its lists for {slots.numel()} neurons")
 
 
-def sparse_mlp_torch(bundles: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor, activation: GatedActivation,
-                     keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_mlp_torch(bundles: torch.Tensor, scales: torch.Tensor | None, channels: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor,
+                     activation: GatedActivation, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch path (and reference): x [N, H] float32, `slots` [k] -> (y [N, H] = h @ down, h [N, k]) with
-    h = act(x @ gate.T, x @ up.T), zeroed where keep [N, k] (bool) is False (int8 bundles: x quantized first)."""
+    h = act(x @ gate.T, x @ up.T), zeroed where keep [N, k] (bool) is False (int8 bundles: x quantized first, down
+    columns times the channel scales)."""
     b = bundles.index_select(0, slots)  # [k, 3, H]
     xq = quantize_activations(x) if bundles.dtype == torch.int8 else x
     b = dequantize(b, None if scales is None else scales.index_select(0, slots))
@@ -206,4 +208,5 @@ def sparse_mlp_torch(bundles: torch.Tensor, scales: torch.Tensor | None, slots: 
     h = activation(g, u)
     if keep is not None:
         h = torch.where(keep, h, torch.zeros((), dtype=h.dtype))
-    return h @ b[:, 2], h
+    y = h @ b[:, 2]
+    return (y if channels is None else y * channels), h

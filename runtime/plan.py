@@ -210,6 +210,7 @@ def reserve_bytes(ckpt: str | Path, shape: ModelShape, headers: dict, dtype: str
             f"{ckpt}: MLP weights hold {mlp_elements} elements, config.json implies 3 x L x E x I x H = {expected}; "
             "the weights do not match the config"
         )
+    cats["mlp_channel_scales"] = shape.layers * shape.experts * shape.hidden * 4 if dtype == "int8" else 0  # int8 down columns: [H] per unit
     cats["predictors"] = predictor_bytes(ckpt)
     cats["kv_cache"] = kv_cache_bytes(shape, context, dtype)
     cats["total"] = sum(cats.values())

@@ -67,6 +67,7 @@ class TieredUnit:
         self.hidden, self.intermediate = f.hidden, f.index["intermediate"]
         self.hot = int(hot.numel())
         self.bundles, self.scales = store.bundles, store.scales  # the arena every unit of the store shares
+        self.channels = f.channels(layer, expert)  # int8: the unit's down-column channel scales (always resident), else None
         # a request of k neurons needs min(k, cold neurons) free pool slots
         self.capacity = self.intermediate if store.pool_slots >= self.intermediate - self.hot else store.pool_slots
         self.position = f.positions(layer, expert).numpy()  # [I] neuron -> record position in the file (chunk order)

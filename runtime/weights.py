@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 from sparseforge.errors import SparseforgeError
 from sparseforge.runtime import kernels
-from sparseforge.runtime.units import MLPUnit, ResidentUnit, make_bundles, quantize_bundles
+from sparseforge.runtime.units import MLPUnit, ResidentUnit, make_bundles, quantize_bundles, quantize_rows
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 SMALL_BATCH = 8  # rows up to which a reduced-precision Linear streams its weights through the native matvec
@@ -72,14 +72,16 @@ class WeightReader:
 def convert(w: torch.Tensor, weight_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A matrix [..., K] in the engine's weight dtype: (weights, per-row float32 scales for int8 else None)."""
     if weight_dtype == "int8":
-        return quantize_bundles(w)  # per-row symmetric int8 over the last dimension, any leading shape
+        return quantize_rows(w)  # per-row symmetric int8 over the last dimension, any leading shape
     return w.to(WEIGHT_DTYPES[weight_dtype]).contiguous(), None
 
 
 def resident_unit(layer: int, expert: int, reader: WeightReader) -> MLPUnit:
     """Default units factory: every bundle of the unit in memory, in reader.weight_dtype."""
-    bundles, scales = convert(make_bundles(*reader.mlp(layer, expert)), reader.weight_dtype)
-    return ResidentUnit(layer, expert, bundles, scales)
+    bundles = make_bundles(*reader.mlp(layer, expert))
+    if reader.weight_dtype == "int8":
+        return ResidentUnit(layer, expert, *quantize_bundles(bundles))
+    return ResidentUnit(layer, expert, *convert(bundles, reader.weight_dtype))
 
 
 @dataclass
@@ -146,7 +148,7 @@ class ModelWeights:
 def units_resident_bytes(units: list[MLPUnit]) -> int:
     """Bytes of the units' bundle slots and scales, each tensor counted once (the units of a neuron store
     share one arena)."""
-    tensors = {t.data_ptr(): t for u in units for t in (u.bundles, u.scales) if t is not None and t.numel()}
+    tensors = {t.data_ptr(): t for u in units for t in (u.bundles, u.scales, u.channels) if t is not None and t.numel()}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

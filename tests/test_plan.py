@@ -169,6 +169,7 @@ def test_dtypes_int8_and_predictors(llama, tmp_path):
     assert q["bytes_per_neuron"] == neuron_bytes(H, "int8") == 3 * (H + 4)
     assert q["always_touched"]["attention"] == L * (2 * 64 * (H + 4) + 2 * 32 * (H + 4))  # int8 rows + f32 row scales
     assert q["always_touched"]["norms"] == (2 * L + 1) * H * 4 and q["always_touched"]["kv_cache"] == 2 * kv
+    assert q["always_touched"]["mlp_channel_scales"] == L * H * 4 and half["always_touched"]["mlp_channel_scales"] == 0
     fake = {"layers.0.fc1.weight": torch.zeros(8, H), "layers.0.fc2.weight": torch.zeros(I, 8)}
     save_tensors(ckpt / "predictors.safetensors", fake, {"format_version": "1"})
     try:

@@ -220,7 +220,7 @@ class _PermutedUnit:
         self.layer, self.expert, self.hidden, self.intermediate = layer, expert, base.hidden, base.intermediate
         self.perm = torch.randperm(base.intermediate, generator=torch.Generator().manual_seed(layer * 10 + expert))
         self.slot_of = torch.argsort(self.perm)  # neuron -> slot
-        self.bundles, self.scales = base.bundles[self.perm].contiguous(), None
+        self.bundles, self.scales, self.channels = base.bundles[self.perm].contiguous(), None, None
         self.capacity, self.open, self.released = 16, 0, 0
 
     def order(self, neurons):

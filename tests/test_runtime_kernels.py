@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sparseforge.runtime import kernels
-from sparseforge.runtime.units import make_bundles, quantize_bundles
+from sparseforge.runtime.units import make_bundles, quantize_bundles, quantize_rows
 from sparseforge.sparsify.hf_code.modeling_sparseforge import ACTIVATIONS, GatedActivation
 
 pytestmark = pytest.mark.skipif(kernels.native() is None, reason="no C compiler: the native kernels did not build")
@@ -13,10 +13,17 @@ DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 
 def _store(w: torch.Tensor, dtype: str):
-    """(weights in `dtype`, scales or None) as the engine stores them."""
+    """A matrix as the engine stores it: (weights in `dtype`, int8 row scales or None)."""
     if dtype == "int8":
-        return quantize_bundles(w)
+        return quantize_rows(w)
     return w.to(getattr(torch, dtype)).contiguous(), None
+
+
+def _bundles(b: torch.Tensor, dtype: str):
+    """A unit's bundles as the engine stores them: (bundles in `dtype`, int8 row scales, int8 down channel scales)."""
+    if dtype == "int8":
+        return quantize_bundles(b)
+    return b.to(getattr(torch, dtype)).contiguous(), None, None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -24,14 +31,14 @@ def _store(w: torch.Tensor, dtype: str):
 def test_sparse_mlp_native_equals_torch(dtype, kind):
     g = torch.Generator().manual_seed(0)
     inter, hidden = 200, 76  # hidden not a multiple of 8 or 32: the scalar tails run too
-    bundles, scales = _store(make_bundles(*(torch.randn(s, generator=g) for s in [(inter, hidden), (inter, hidden), (hidden, inter)])), dtype)
+    bundles, scales, channels = _bundles(make_bundles(*(torch.randn(s, generator=g) for s in [(inter, hidden), (inter, hidden), (hidden, inter)])), dtype)
     x = torch.randn(hidden, generator=g)
     slots = torch.randperm(inter, generator=g)[:90]
     act = GatedActivation(kind, 0.25)
     y = torch.full((hidden,), 0.5)  # accumulates into what is there
     counts = torch.zeros(2, dtype=torch.long)
-    kernels.sparse_mlp_native(bundles, scales, slots, x, act, y, 0.7, counts, 2)
-    ref, h = kernels.sparse_mlp_torch(bundles, scales, slots, x[None], act)
+    kernels.sparse_mlp_native(bundles, scales, channels, slots, x, act, y, 0.7, counts, 2)
+    ref, h = kernels.sparse_mlp_torch(bundles, scales, channels, slots, x[None], act)
     torch.testing.assert_close(y, 0.5 + 0.7 * ref[0], atol=1e-3, rtol=1e-4)
     fired = int((h != 0).sum())
     assert counts[1] == fired and fired <= counts[0] <= 90
@@ -45,9 +52,9 @@ def test_sparse_mlp_torch_applies_the_row_masks():
     x = torch.randn(3, 16, generator=g)
     slots = torch.tensor([4, 9, 30])
     keep = torch.tensor([[True, False, True], [False, False, False], [True, True, True]])
-    y, h = kernels.sparse_mlp_torch(bundles, None, slots, x, GatedActivation("silu"), keep)
+    y, h = kernels.sparse_mlp_torch(bundles, None, None, slots, x, GatedActivation("silu"), keep)
     assert torch.equal(h[1], torch.zeros(3)) and torch.equal(y[1], torch.zeros(16))
-    full, _ = kernels.sparse_mlp_torch(bundles, None, slots[[0, 2]], x[:1], GatedActivation("silu"))
+    full, _ = kernels.sparse_mlp_torch(bundles, None, None, slots[[0, 2]], x[:1], GatedActivation("silu"))
     torch.testing.assert_close(y[:1], full)
 
 
@@ -120,3 +127,30 @@ def test_native_can_be_turned_off(monkeypatch):
     finally:
         monkeypatch.delenv("SPARSEFORGE_NATIVE")
         kernels.native.cache_clear()
+
+
+def test_int8_down_columns_scale_per_channel():
+    """A unit's down columns are quantized after dividing out one scale per output channel: every element is within
+    half a step of its own channel and row, so a channel 100x larger than the rest (the residual stream's outlier
+    channels) no longer coarsens every column; the MLP output's error stays near that of the gate and up rows."""
+    g = torch.Generator().manual_seed(3)
+    inter, hidden = 256, 96
+    down = torch.randn(hidden, inter, generator=g)
+    down[7] *= 100.0  # one outlier channel
+    bundles = make_bundles(torch.randn(inter, hidden, generator=g), torch.randn(inter, hidden, generator=g), down)
+    q, scales, channels = quantize_bundles(bundles)
+    assert q.dtype == torch.int8 and scales.shape == (inter, 3) and channels.shape == (hidden,)
+    assert channels[7] > 50 * channels.median()  # the outlier has its own scale
+    deq = q[:, 2].float() * scales[:, 2:] * channels
+    assert ((deq - bundles[:, 2]).abs() <= scales[:, 2:] * channels / 2 * (1 + 1e-5) + 1e-7).all()
+    assert torch.allclose(q[:, :2].float() * scales[:, :2, None], bundles[:, :2], atol=float(scales[:, :2].max()) / 2 * 1.0001)
+    x = torch.randn(hidden, generator=g)
+    act = GatedActivation("drelu")
+    exact, _ = kernels.sparse_mlp_torch(bundles, None, None, torch.arange(inter), x[None], act)
+    got, _ = kernels.sparse_mlp_torch(q, scales, channels, torch.arange(inter), x[None], act)
+    q_col, s_col = quantize_rows(bundles)  # one scale per down column: the outlier channel sets them all
+    old, _ = kernels.sparse_mlp_torch(q_col, s_col, None, torch.arange(inter), x[None], act)
+    normal = torch.arange(hidden) != 7
+    err_new = ((got - exact)[0, normal].norm() / exact[0, normal].norm()).item()
+    err_old = ((old - exact)[0, normal].norm() / exact[0, normal].norm()).item()
+    assert err_new < 0.02 and err_old > 5 * err_new, (err_new, err_old)

@@ -16,8 +16,7 @@ from sparseforge.predictors.store import save_predictors
 from sparseforge.runtime.bundles import TORCH_DTYPES, BundleFile, build_bundles, bundle_paths, bundles_up_to_date, ensure_bundles
 from sparseforge.runtime.plan import PlanRequest, make_plan, parse_size
 from sparseforge.runtime.store import NeuronStore, tiered_units
-from sparseforge.runtime.units import make_bundles
-from sparseforge.runtime.weights import WeightReader, convert, units_resident_bytes
+from sparseforge.runtime.weights import WeightReader, resident_unit, units_resident_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 I = 128  # tiny_model intermediate size
@@ -57,8 +56,9 @@ def _decode(f, records):
 
 
 def _unit_reference(ckpt, layer, expert, dtype):
-    """The engine's own resident bundles of a unit (runtime/weights.py), the ground truth."""
-    return convert(make_bundles(*WeightReader(ckpt, dtype).mlp(layer, expert)), dtype)
+    """The engine's own resident bundles of a unit (runtime/weights.py), the ground truth: (bundles, scales)."""
+    unit = resident_unit(layer, expert, WeightReader(ckpt, dtype))
+    return unit.bundles, unit.scales
 
 
 # ---------------------------------------------------------------- the bundle file
@@ -79,10 +79,13 @@ def test_bundle_file_round_trip_equals_the_weights(family, dtype, request):
             ids = torch.randperm(I)[:50]  # any subset, any order
             got, scales = _decode(f, f.read(row["layer"], row["expert"], pos[ids].numpy()).records)
             assert got.dtype == want.dtype and torch.equal(got, want[ids])
+            channels = f.channels(row["layer"], row["expert"])
             if dtype == "int8":
                 assert torch.equal(scales, want_scales[ids])
+                want_channels = resident_unit(row["layer"], row["expert"], WeightReader(ckpt, dtype)).channels
+                assert torch.equal(channels, want_channels)  # exact through the index's JSON
             else:
-                assert scales is None
+                assert scales is None and channels is None
     finally:
         f.close()
 
@@ -347,6 +350,7 @@ def test_disk_backed_run_equals_the_fully_resident_run(family, dtype, size, requ
         assert s["hot_hits"] + s["cache_hits"] + s["misses"] == s["neurons"]
         assert s["resident_bytes"] <= s["mlp_budget_bytes"]
         all_mlp = units_resident_bytes([u for lw in resident.weights.layers for u in lw.units])
-        assert disk.stats()["resident_weight_bytes"] == resident.stats()["resident_weight_bytes"] - all_mlp + s["resident_bytes"]
+        channels = sum(4 * u.channels.numel() for lw in disk.weights.layers for u in lw.units if u.channels is not None)  # int8, outside the arena
+        assert disk.stats()["resident_weight_bytes"] == resident.stats()["resident_weight_bytes"] - all_mlp + s["resident_bytes"] + channels
         assert s["resident_bytes"] < all_mlp * float(size[:-1]) / 100 + 1
     assert not store._thread.is_alive()

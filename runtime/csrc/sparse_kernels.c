@@ -416,14 +416,15 @@ static SF_INLINE void block_rows(const char *base, int64_t bundle_bytes, int64_t
 }
 
 /* y[0:H] += out_scale * sum over slots s of act(g_s, u_s) * down_s, bundles [S, 3, H] of `dtype`,
- * scales [S, 3] (int8 only, else NULL). counts[0] += up rows read, counts[1] += neurons that fired
+ * scales [S, 3] (int8 only, else NULL), channels [H] (int8 only, else NULL: a down column is its int8 row times
+ * its row scale times these per-channel scales, applied once to the sum). counts[0] += up rows read, counts[1] += neurons that fired
  * (activation != 0, their down columns read).
  *
  * Three passes, each over a list known before it starts, so every pass prefetches the rows of its next block
  * while computing the current one: (1) every slot's gate row; (2) the up rows of the neurons whose gate does
  * not already zero the activation; (3) the down columns of the neurons that fired, accumulated per thread
  * and summed into y. A single pass that decided up and down per block of 4 waited on memory twice per block. */
-static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, const int dtype, int64_t hidden, const int64_t *slots,
+static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, const float *channels, const int dtype, int64_t hidden, const int64_t *slots,
                                        int64_t n, const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts,
                                        int nthreads) {
     if (n <= 0) return 0;
@@ -483,7 +484,10 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
         }
         if (any) {
 #pragma omp critical
-            for (int64_t k = 0; k < hidden; k++) y[k] += acc[k];
+            if (channels)
+                for (int64_t k = 0; k < hidden; k++) y[k] += acc[k] * channels[k];
+            else
+                for (int64_t k = 0; k < hidden; k++) y[k] += acc[k];
         }
     }
     counts[0] += nl;
@@ -505,10 +509,10 @@ int64_t sf_gated_act(const float *gate_up, int64_t n, int act, float threshold, 
 }
 
 /* 0, or -1 when its scratch lists (4 x n entries) could not be allocated (nothing is added to y then) */
-int sf_sparse_mlp(const void *bundles, const float *scales, int dtype, int64_t hidden, const int64_t *slots, int64_t n,
+int sf_sparse_mlp(const void *bundles, const float *scales, const float *channels, int dtype, int64_t hidden, const int64_t *slots, int64_t n,
                   const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts, int nthreads) {
     int rc = 0;
-#define SF_SPARSE_MLP(DT) rc = sparse_mlp_impl(bundles, scales, DT, hidden, slots, n, x, act, threshold, out_scale, y, counts, nthreads)
+#define SF_SPARSE_MLP(DT) rc = sparse_mlp_impl(bundles, scales, channels, DT, hidden, slots, n, x, act, threshold, out_scale, y, counts, nthreads)
     SF_DISPATCH(SF_SPARSE_MLP)
     return rc;
 }
