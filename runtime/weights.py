@@ -146,8 +146,8 @@ class ModelWeights:
 
 
 def units_resident_bytes(units: list[MLPUnit]) -> int:
-    """Bytes of the units' bundle slots and scales, each tensor counted once (the units of a neuron store
-    share one arena)."""
+    """Bytes of the units' bundle slots, row scales and int8 channel scales, each tensor counted once (the units
+    of a neuron store share one arena)."""
     tensors = {t.data_ptr(): t for u in units for t in (u.bundles, u.scales, u.channels) if t is not None and t.numel()}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
