@@ -15,7 +15,7 @@ import torch
 
 from sparseforge.runtime import kernels
 from sparseforge.runtime.forward import KVCache
-from sparseforge.runtime.units import ResidentUnit
+from sparseforge.runtime.units import ResidentUnit, row_bytes
 
 
 class RowDecoder:
@@ -119,7 +119,7 @@ class LeanMLP:
                 predict = (ptr(w1), ptr(s1), ptr(w2), ptr(s2), code(w1.dtype), w1.shape[0], w1.shape[1], inter, self.xp, float(p.threshold), ptr(ids), ptr(scratch))
             mlp = (ptr(unit.bundles), ptr(unit.scales), ptr(unit.channels), code(unit.bundles.dtype), unit.hidden, ptr(ids))
             self.calls.append((predict, mlp, (self.xnp, *act_args, 1.0, self.xp), inter))
-            self.row_bytes = unit.hidden * unit.bundles.element_size() + (4 if unit.scales is not None else 0)
+            self.row_bytes = row_bytes(unit)
 
     def begin(self) -> None:
         """Per step: the engine's current counters (reset_stats replaces them)."""

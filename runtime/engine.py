@@ -32,6 +32,7 @@ from sparseforge.runtime import kernels
 from sparseforge.runtime.decode import RowDecoder
 from sparseforge.runtime.forward import KVCache, attention, attention_shape, rms_norm, rope_tables, route
 from sparseforge.runtime.sampling import GenerationConfig, make_generator, sample
+from sparseforge.runtime.units import row_bytes
 from sparseforge.runtime.weights import WeightReader, load_unit_predictors, load_weights
 from sparseforge.sparsify.hf_code.modeling_sparseforge import GatedActivation
 
@@ -252,7 +253,7 @@ class Engine:
         c.row_neurons += neurons.numel()
         c.neuron_slots += I
         if c.row_bytes == 0:
-            c.row_bytes = unit.hidden * unit.bundles.element_size() + (4 if unit.scales is not None else 0)
+            c.row_bytes = row_bytes(unit)
 
     def _all_neurons(self, intermediate: int) -> torch.Tensor:
         if intermediate not in self._arange:
@@ -295,8 +296,7 @@ class Engine:
                     fired += int((h != 0).sum())
             req.release()
         computed = int(keep.sum()) if keep is not None else x.shape[0] * I
-        row_bytes = unit.hidden * unit.bundles.element_size() + (4 if unit.scales is not None else 0)
-        self._count(computed, x.shape[0] * I, fired, 3 * neurons.numel() * row_bytes, False)
+        self._count(computed, x.shape[0] * I, fired, 3 * neurons.numel() * row_bytes(unit), False)
         return y
 
     def _count(self, computed: int, slots: int, fired: int, weight_bytes: int, decode: bool) -> None:

@@ -7,7 +7,8 @@ the flags and the CPU, and loaded with ctypes (ctypes releases the GIL during a 
 prefetch thread runs while a kernel computes). Without a compiler, or with `SPARSEFORGE_NATIVE=0`, every
 kernel falls back to PyTorch ops (index_select + matmul); tests check both paths against each other.
 
-Weights come as float32, bfloat16, float16, or int8 with one float32 scale per row; activations and
+Weights come as float32, bfloat16, float16, or int8 with one float32 scale per row (an MLP unit's int8 down
+columns also with per-channel scales, units.quantize_bundles); activations and
 accumulation are float32, except that int8 rows meet their input vector quantized to int8 in blocks of 32
 (`quantize_activations`, llama.cpp's Q8_0 scheme): the products are integer, and the int8 kernels then run at
 the memory bandwidth instead of at the rate the CPU converts int8 to float (docs/runtime.md "Kernels").

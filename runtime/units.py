@@ -68,6 +68,11 @@ class MLPUnit(Protocol):
         ...
 
 
+def row_bytes(unit: MLPUnit) -> int:
+    """Bytes a kernel reads for one row of a bundle (gate row, up row or down column), its int8 scale included."""
+    return unit.hidden * unit.bundles.element_size() + (4 if unit.scales is not None else 0)
+
+
 def make_bundles(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """gate, up: [I, H]; down: [H, I] -> bundles [I, 3, H] (contiguous)."""
     return torch.stack([gate, up, down.t()], dim=1).contiguous()

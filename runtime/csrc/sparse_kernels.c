@@ -2,7 +2,8 @@
  *
  * Decode is memory-bandwidth bound, so every kernel streams each weight row it needs exactly once,
  * accumulates in float32, and parallelises over rows/neurons with OpenMP (per-thread accumulators,
- * no atomics). Weights are float32, bfloat16, float16 or int8 with one float32 scale per row;
+ * no atomics). Weights are float32, bfloat16, float16 or int8 with one float32 scale per row (a unit's int8
+ * down columns also with one scale per output channel, applied once to sf_sparse_mlp's sum);
  * activations are float32, except that a dot product with int8 rows quantizes its input vector first
  * (blocks of 32, one float32 scale each, as llama.cpp's Q8_0) and multiplies in integers: converting every
  * int8 weight to float made the int8 kernels compute-bound at ~17 GB/s where the bandwidth is ~25.
