@@ -31,7 +31,7 @@ def register_plan(subparsers) -> None:
                    "neuron bytes resident on top of the always-touched part")  # fmt: skip
     p.add_argument("--context", type=int, default=2048, help="tokens of KV cache to reserve")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
-                   help="weight dtype in fast memory (int8: weight-only, float32 row scales, float32 KV cache); default: as stored")  # fmt: skip
+                   help="weight dtype in fast memory (int8: int8 weights with float32 row scales, float32 KV cache); default: as stored")  # fmt: skip
     p.add_argument("--out", default="plan.json", help="file name of the plan inside the checkpoint, e.g. plan-25pct.json")
     p.add_argument("--powerinfer-gpu-index", metavar="DIR", default=None,
                    help="also write PowerInfer's GPU index (DIR/model.powerinfer.gguf.generated.gpuidx); dense models only")  # fmt: skip
