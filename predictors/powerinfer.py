@@ -36,6 +36,9 @@ def _check_config(config: dict) -> None:
         raise SparseforgeError(f"PowerInfer export takes dense Llama/Mistral checkpoints; this one is {base!r}")
     if sparsity.get("activation") != "drelu":
         raise SparseforgeError(f"PowerInfer's bamboo architecture computes dReLU; this checkpoint uses {sparsity.get('activation')!r}")
+    if any(t > 0 for t in sparsity.get("thresholds") or []):
+        raise SparseforgeError("this checkpoint zeroes dReLU products below per-layer thresholds (sparseforge threshold); PowerInfer computes "
+                               "plain dReLU and would run a different model: export the checkpoint before thresholding")
     heads, head_dim = config["num_attention_heads"], config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     if heads * head_dim != config["hidden_size"] or config.get("attention_bias") or config.get("mlp_bias"):
         raise SparseforgeError("PowerInfer needs num_attention_heads * head_dim == hidden_size and no attention/MLP biases")

@@ -9,6 +9,9 @@ continues where it stopped when the same command is given again.
 
     convert          sparseforge convert MODEL --activation A --out OUTPUT_DIR/converted
     train            sparseforge train --config RECIPE (model: the converted checkpoint, teacher: MODEL)
+
+(A recipe whose MODEL is already a sparse checkpoint, e.g. a thresholded one, skips convert and trains
+from MODEL; its recipe names the dense `teacher`.)
     measure          sparseforge measure CKPT            -> sparsity.json
     profile          sparseforge profile CKPT            -> profile.safetensors/json
     predictors       sparseforge predictors train CKPT   -> predictors.safetensors/json
@@ -58,8 +61,15 @@ class Run:
         return Path(self.recipe.output_dir)
 
     @property
+    def starts_sparse(self) -> bool:
+        """The recipe's model is already a sparse checkpoint (e.g. a thresholded one): nothing to convert."""
+        config = Path(self.recipe.model) / "config.json"
+        return config.is_file() and "sparsity" in json.loads(config.read_text())
+
+    @property
     def converted(self) -> Path:
-        return self.dir / "converted"
+        """The checkpoint training starts from."""
+        return Path(self.recipe.model) if self.starts_sparse else self.dir / "converted"
 
     @property
     def ckpt(self) -> Path:
@@ -95,7 +105,7 @@ def _train(run: Run, extra: list[str]) -> list[list[str]]:
     for o in run.overrides:
         argv += ["--set", o]
     argv += ["--set", f"model={run.converted}"]
-    if run.recipe.teacher is None:  # the converted checkpoint is sparse: name the dense original as the teacher
+    if run.recipe.teacher is None and not run.starts_sparse:  # the converted checkpoint is sparse: name the dense original as the teacher
         argv += ["--set", f"teacher={run.recipe.model}"]
     return [argv + _no_progress(run) + _args(extra[0])]
 
@@ -317,6 +327,10 @@ def run_pipeline(recipe_path: str, overrides: list[str] = (), only: str | None =
         if arguments[stage.name] is None:
             rows.append({"stage": stage.name, "status": "left out", "seconds": None, "result": ""})
             printer(f"{tag}: left out by the recipe")
+            continue
+        if stage.name == "convert" and run.starts_sparse:
+            rows.append({"stage": stage.name, "status": "not needed", "seconds": None, "result": ""})
+            printer(f"{tag}: not needed, {run.recipe.model} is already a sparse checkpoint")
             continue
         cmds = stage.commands(run, arguments[stage.name])
         settings = run.training_settings() if stage.name == "train" else ""

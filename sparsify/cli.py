@@ -1,4 +1,4 @@
-"""CLI verbs of the sparsify stage: `convert` and `measure`."""
+"""CLI verbs of the sparsify stage: `convert`, `measure` and `threshold`."""
 
 import time
 from pathlib import Path
@@ -40,6 +40,23 @@ def register(subparsers) -> None:
     p.add_argument("--activation", default=None, help="for a dense model only: the activation to convert to in memory (default silu). " + ACTIVATION_HELP)
     p.add_argument("--threshold", help="t for shifted_relu/fatrelu with a dense model")
     p.set_defaults(func=measure_command)
+
+    p = subparsers.add_parser(
+        "threshold",
+        help="calibrate per-layer dReLU thresholds for a target fraction of zeros; write a new checkpoint",
+        description="Stream real text through a dReLU checkpoint and choose, per layer, the smallest threshold t such that "
+        "zeroing the products relu(gate)*relu(up) <= t leaves --target-zeros of the layer's activations exactly zero. "
+        "Writes a new checkpoint (weights unchanged, thresholds in config.json, the calibration in thresholds.json). "
+        "Thresholds cost accuracy: continue pretraining with them in place (recipes/smollm2-135m-drelu-t90.yaml), "
+        "then profile and fit predictors on the result.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("ckpt", help="a dReLU sparse checkpoint (its profile, predictors and plans are not copied: they describe other zeros)")
+    p.add_argument("--target-zeros", type=float, required=True, help="fraction of exactly-zero MLP activations per layer, e.g. 0.9")
+    p.add_argument("--out", required=True, help="output checkpoint directory (must not exist unless --force)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    add_text_stream_options(p, 16384, "tokens to calibrate on")
+    p.set_defaults(func=threshold_command)
 
 
 def convert_command(args) -> int:
@@ -94,4 +111,34 @@ def measure_command(args) -> int:
         record = {"activation": model.config.sparsity["activation"], "data": patterns, "seq_len": args.seq_len, **report}
         path = write_artifact(source.path, "sparsity", record, SPARSITY_FILE_VERSION)
         print(f"wrote {path}")
+    return 0
+
+
+def threshold_command(args) -> int:
+    from sparseforge.checkpoint import save_sparse, write_artifact
+    from sparseforge.errors import SparseforgeError
+    from sparseforge.families import is_sparse
+    from sparseforge.sources import load_model
+    from sparseforge.sparsify.convert import model_card
+    from sparseforge.sparsify.threshold import THRESHOLDS_FILE_VERSION, apply_thresholds, calibrate_thresholds, format_table
+
+    check_positive(tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size, threads=args.threads)
+    if not 0.0 < args.target_zeros < 1.0:
+        raise SparseforgeError(f"--target-zeros {args.target_zeros} is not a fraction; give a value between 0 and 1, e.g. 0.9")
+    if Path(args.out).exists() and not args.force:
+        raise SparseforgeError(f"output {args.out!r} already exists; choose another --out or pass --force to replace it")
+    if Path(args.out).resolve() == Path(args.ckpt).resolve():
+        raise SparseforgeError(f"--out {args.out!r} is the input checkpoint; write the thresholded model to a new directory")
+    start = time.perf_counter()
+    model, tokenizer, source = load_model(args.ckpt, dtype="float32", device=args.device)
+    if not is_sparse(model.config):
+        raise SparseforgeError(f"{args.ckpt} is not a sparse checkpoint; convert it first (sparseforge convert MODEL --activation drelu --out DIR)")
+    windows, patterns = text_stream(args, tokenizer)
+    report = calibrate_thresholds(model, windows, args.tokens, args.target_zeros, args.batch_size, progress=not args.no_progress)
+    apply_thresholds(model, report["thresholds"])
+    save_sparse(model, tokenizer, args.out, force=args.force, card=model_card(args.ckpt, model.config))
+    write_artifact(args.out, "thresholds", {"source": args.ckpt, "data": patterns, "seq_len": args.seq_len, **report}, THRESHOLDS_FILE_VERSION)
+    print(format_table(report))
+    print(f"wrote {args.out} ({report['tokens']} tokens, {time.perf_counter() - start:.0f}s); next: `sparseforge measure {args.out}` for the real "
+          "sparsity and loss, then continue pretraining it (docs/training.md) before profiling")
     return 0

@@ -398,7 +398,7 @@ static SF_INLINE float activation(int act, float g, float u, float t) {
     switch (act) {
     case ACT_SILU: return g / (1.0f + expf(-g)) * u;
     case ACT_RELU: return g * u;
-    case ACT_DRELU: return u > 0.0f ? g * u : 0.0f;
+    case ACT_DRELU: return u > 0.0f && g * u > t ? g * u : 0.0f; /* t = 0 unless thresholded (sparseforge threshold) */
     case ACT_SHIFTED_RELU: return (g - t) * u;
     default: return g * u;  /* fatrelu */
     }

@@ -8,7 +8,7 @@ Each class is its base architecture's config plus one field, `sparsity`, a plain
 
     {"format_version": 1,            # of this dict
      "activation": "drelu",          # silu | relu | drelu | shifted_relu | fatrelu
-     "thresholds": [0.0, ...] | None, # per layer, for shifted_relu / fatrelu
+     "thresholds": [0.0, ...] | None, # per layer: t of shifted_relu / fatrelu; drelu zeroes products <= t
      "base_model_type": "llama"}     # the architecture whose weights and key names this is
 """
 

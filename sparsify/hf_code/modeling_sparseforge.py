@@ -14,7 +14,8 @@ Activations (`config.sparsity["activation"]`), with g = gate_proj(x), u = up_pro
 threshold:
     silu          silu(g) * u                the original SwiGLU (for parity)
     relu          relu(g) * u                ReLU on the gate only
-    drelu         relu(g) * relu(u)          dReLU (TurboSparse)
+    drelu         relu(g) * relu(u)          dReLU (TurboSparse); with a per-layer t > 0 (`sparseforge
+                                             threshold`), products <= t are zeroed as well
     shifted_relu  relu(g - t) * u            shifted ReLU, per-layer t
     fatrelu       g * (g > t) * u            thresholded ReLU (ProSparse's FATReLU), per-layer t
 """
@@ -56,13 +57,15 @@ class GatedActivation(nn.Module):
         if self.kind == "relu":
             return F.relu(gate) * up
         if self.kind == "drelu":
-            return F.relu(gate) * F.relu(up)
+            h = F.relu(gate) * F.relu(up)
+            return h if self.threshold <= 0 else torch.where(h > self.threshold, h, torch.zeros_like(h))
         if self.kind == "shifted_relu":
             return F.relu(gate - self.threshold) * up
         return gate * (gate > self.threshold).to(gate.dtype) * up  # fatrelu
 
     def extra_repr(self) -> str:
-        return f"{self.kind}, threshold={self.threshold}" if self.kind in ("shifted_relu", "fatrelu") else self.kind
+        thresholded = self.kind in ("shifted_relu", "fatrelu") or (self.kind == "drelu" and self.threshold > 0)
+        return f"{self.kind}, threshold={self.threshold}" if thresholded else self.kind
 
 
 class SparseMLP(nn.Module):
