@@ -87,7 +87,7 @@ def _predictors(report: dict) -> str:
 
 def build_card(ckpt: str | Path, repo: str = "ORG/NAME", revision: str = "main", source: str | None = None) -> str:
     """README.md text for `ckpt` as published at `repo`@`revision`."""
-    from sparseforge.eval.report import recorded_source
+    from sparseforge.checkpoint import recorded_source
     from sparseforge.sparsify.convert import model_card
 
     ckpt = Path(ckpt)

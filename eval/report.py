@@ -18,33 +18,15 @@ paired ses as independent (sqrt(sum se^2) / k). Written to CKPT/eval.json (forma
 import hashlib
 import json
 import math
-import re
 import tempfile
 import time
 from pathlib import Path
 
-from sparseforge.checkpoint import SPARSITY_PROVENANCE, atomic_write_text, read_artifact, write_artifact
+from sparseforge.checkpoint import SPARSITY_PROVENANCE, atomic_write_text, read_artifact, recorded_source, write_artifact
 from sparseforge.errors import SparseforgeError
 
 EVAL_FORMAT_VERSION = 1
 CONFIGS = ("original", "oracle", "sparse")
-_CARD_SOURCE = re.compile(r"^# \S+ conversion of `([^`]+)`", re.MULTILINE)  # sparsify.convert.model_card's title
-
-
-def recorded_source(ckpt: str | Path) -> str:
-    """The model spec the checkpoint was converted from: config.json sparsity.source if present, else the
-    title convert writes into the model card ("# drelu conversion of `smollm2-135m`")."""
-    ckpt = Path(ckpt)
-    sparsity = json.loads((ckpt / "config.json").read_text()).get("sparsity") or {}
-    if sparsity.get("source"):
-        return sparsity["source"]
-    card = ckpt / "README.md"
-    match = _CARD_SOURCE.search(card.read_text()) if card.is_file() else None
-    if match is None:
-        raise SparseforgeError(f"{ckpt} does not record the model it was converted from; pass --original SPEC (e.g. smollm2-135m)")
-    return match.group(1)
-
-
 def _leaves(task: str, groups: dict) -> list[str]:
     if task not in groups:
         return [task]

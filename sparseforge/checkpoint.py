@@ -15,6 +15,7 @@ checkpoint is assembled in a temporary sibling directory and renamed when comple
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -151,3 +152,20 @@ def load_sparse(path: str | Path, dtype=torch.float32):
     config = config_cls.from_pretrained(path)
     sparsity_settings(config)
     return model_cls.from_pretrained(path, config=config, dtype=dtype)
+
+
+_CARD_SOURCE = re.compile(r"^# \S+ conversion of `([^`]+)`", re.MULTILINE)  # sparsify.convert.model_card's title
+
+
+def recorded_source(ckpt: str | Path) -> str:
+    """The model spec the checkpoint was converted from: config.json sparsity.source if present, else the
+    title convert writes into the model card ("# drelu conversion of `smollm2-135m`")."""
+    ckpt = Path(ckpt)
+    sparsity = json.loads((ckpt / "config.json").read_text()).get("sparsity") or {}
+    if sparsity.get("source"):
+        return sparsity["source"]
+    card = ckpt / "README.md"
+    match = _CARD_SOURCE.search(card.read_text()) if card.is_file() else None
+    if match is None:
+        raise SparseforgeError(f"{ckpt} does not record the model it was converted from; pass --original SPEC (e.g. smollm2-135m)")
+    return match.group(1)

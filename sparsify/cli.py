@@ -115,7 +115,7 @@ def measure_command(args) -> int:
 
 
 def threshold_command(args) -> int:
-    from sparseforge.checkpoint import save_sparse, write_artifact
+    from sparseforge.checkpoint import recorded_source, save_sparse, write_artifact
     from sparseforge.errors import SparseforgeError
     from sparseforge.families import is_sparse
     from sparseforge.sources import load_model
@@ -136,7 +136,12 @@ def threshold_command(args) -> int:
     windows, patterns = text_stream(args, tokenizer)
     report = calibrate_thresholds(model, windows, args.tokens, args.target_zeros, args.batch_size, progress=not args.no_progress)
     apply_thresholds(model, report["thresholds"])
-    save_sparse(model, tokenizer, args.out, force=args.force, card=model_card(args.ckpt, model.config))
+    try:  # the dense original stays the recorded source (eval scores it as "original"), also through later training
+        original = recorded_source(args.ckpt)
+        model.config.sparsity = {**model.config.sparsity, "source": original}
+    except SparseforgeError:
+        original = args.ckpt
+    save_sparse(model, tokenizer, args.out, force=args.force, card=model_card(original, model.config))
     write_artifact(args.out, "thresholds", {"source": args.ckpt, "data": patterns, "seq_len": args.seq_len, **report}, THRESHOLDS_FILE_VERSION)
     print(format_table(report))
     print(f"wrote {args.out} ({report['tokens']} tokens, {time.perf_counter() - start:.0f}s); next: `sparseforge measure {args.out}` for the real "

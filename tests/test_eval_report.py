@@ -15,7 +15,8 @@ from sparseforge.checkpoint import save_sparse  # noqa: E402
 from sparseforge.cli import main  # noqa: E402
 from sparseforge.data import data_root  # noqa: E402
 from sparseforge.errors import SparseforgeError  # noqa: E402
-from sparseforge.eval.report import build_report, markdown, paired_delta, recorded_source  # noqa: E402
+from sparseforge.checkpoint import recorded_source  # noqa: E402
+from sparseforge.eval.report import build_report, markdown, paired_delta  # noqa: E402
 from sparseforge.sparsify.convert import convert_model, model_card  # noqa: E402
 
 

@@ -107,6 +107,7 @@ def test_threshold_cli_writes_a_new_checkpoint_and_refuses_bad_input(workspace, 
     record = json.loads((out / "thresholds.json").read_text())
     assert config["sparsity"]["thresholds"] == record["thresholds"] and record["target"] == 0.8 and record["tokens"] == 256
     assert json.loads((src / "config.json").read_text())["sparsity"]["thresholds"] is None  # the input is untouched
+    assert config["sparsity"]["source"] == str(workspace / "dense")  # eval's "original" row is still the dense model
     assert main(["measure", str(out), *data]) == 0
     assert json.loads((out / "sparsity.json").read_text())["mean_zero_fraction"] > 0.75
 
