@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from sparseforge.checkpoint import atomic_write_text
 from sparseforge.errors import SparseforgeError
 from sparseforge.runtime.plan import DTYPES, model_shape, neuron_bytes
-from sparseforge.runtime.units import make_bundles, quantize_bundles
+from sparseforge.runtime.units import convert_bundles, make_bundles
 from sparseforge.runtime.weights import WeightReader
 
 BUNDLES_FORMAT_VERSION = 2  # 2: int8 down columns with per-channel scales (the index's "channels" per unit)
@@ -78,11 +78,9 @@ def _file_order(ckpt: Path, layers: int, experts: int, width: int) -> tuple[torc
 def encode_records(bundles: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A unit's bundles [I, 3, H] float32 -> (records uint8 [I, record_bytes] in `dtype`, int8: rows then 3 float32
     scales; the down columns' channel scales [H] for int8, else None)."""
-    n = bundles.shape[0]
-    if dtype == "int8":
-        q, scales, channels = quantize_bundles(bundles)
-        return torch.cat([q.view(torch.uint8).reshape(n, -1), scales.view(torch.uint8).reshape(n, -1)], dim=1), channels
-    return bundles.to(TORCH_DTYPES[dtype]).contiguous().view(torch.uint8).reshape(n, -1), None
+    b, scales, channels = convert_bundles(bundles, TORCH_DTYPES[dtype])
+    parts = [t.view(torch.uint8).reshape(b.shape[0], -1) for t in (b, scales) if t is not None]
+    return torch.cat(parts, dim=1), channels
 
 
 def build_bundles(ckpt: str | Path, dtype: str, progress: bool = True) -> Path:

@@ -93,6 +93,14 @@ def quantize_bundles(bundles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return q, scales, channels.contiguous()
 
 
+def convert_bundles(bundles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A unit's bundles [I, 3, H] in `dtype`: (bundles, row scales [I, 3], channel scales [H]); the scales are None
+    unless dtype is int8 (quantize_bundles). What resident units hold and what bundle files store."""
+    if dtype == torch.int8:
+        return quantize_bundles(bundles)
+    return bundles.to(dtype).contiguous(), None, None
+
+
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8 over the last dimension: w [..., K] float -> (int8 [..., K], scales float32 [...]).
     Dequantised row = int8 row * scale; a zero row gets scale 1."""

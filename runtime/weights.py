@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 from sparseforge.errors import SparseforgeError
 from sparseforge.runtime import kernels
-from sparseforge.runtime.units import MLPUnit, ResidentUnit, make_bundles, quantize_bundles, quantize_rows
+from sparseforge.runtime.units import MLPUnit, ResidentUnit, convert_bundles, make_bundles, quantize_rows
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 SMALL_BATCH = 8  # rows up to which a reduced-precision Linear streams its weights through the native matvec
@@ -78,10 +78,7 @@ def convert(w: torch.Tensor, weight_dtype: str) -> tuple[torch.Tensor, torch.Ten
 
 def resident_unit(layer: int, expert: int, reader: WeightReader) -> MLPUnit:
     """Default units factory: every bundle of the unit in memory, in reader.weight_dtype."""
-    bundles = make_bundles(*reader.mlp(layer, expert))
-    if reader.weight_dtype == "int8":
-        return ResidentUnit(layer, expert, *quantize_bundles(bundles))
-    return ResidentUnit(layer, expert, *convert(bundles, reader.weight_dtype))
+    return ResidentUnit(layer, expert, *convert_bundles(make_bundles(*reader.mlp(layer, expert)), WEIGHT_DTYPES[reader.weight_dtype]))
 
 
 @dataclass

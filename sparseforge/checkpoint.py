@@ -169,3 +169,15 @@ def recorded_source(ckpt: str | Path) -> str:
     if match is None:
         raise SparseforgeError(f"{ckpt} does not record the model it was converted from; pass --original SPEC (e.g. smollm2-135m)")
     return match.group(1)
+
+
+def carry_source(config, ckpt: str | Path) -> str | None:
+    """Copy the dense original recorded by checkpoint `ckpt` (recorded_source) into `config.sparsity["source"]`, for
+    a model derived from it (thresholded, trained further), so eval's "original" row stays the dense model.
+    Returns it, or None when `ckpt` records none (then nothing is claimed)."""
+    try:
+        source = recorded_source(ckpt)
+    except (SparseforgeError, OSError):  # nothing recorded, or not a local checkpoint directory
+        return None
+    config.sparsity = {**config.sparsity, "source": source}
+    return source

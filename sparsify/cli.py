@@ -115,16 +115,15 @@ def measure_command(args) -> int:
 
 
 def threshold_command(args) -> int:
-    from sparseforge.checkpoint import recorded_source, save_sparse, write_artifact
+    from sparseforge.checkpoint import carry_source, save_sparse, write_artifact
     from sparseforge.errors import SparseforgeError
     from sparseforge.families import is_sparse
     from sparseforge.sources import load_model
     from sparseforge.sparsify.convert import model_card
-    from sparseforge.sparsify.threshold import THRESHOLDS_FILE_VERSION, apply_thresholds, calibrate_thresholds, format_table
+    from sparseforge.sparsify.threshold import THRESHOLDS_FILE_VERSION, apply_thresholds, calibrate_thresholds, check_target_zeros, format_table
 
     check_positive(tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size, threads=args.threads)
-    if not 0.0 < args.target_zeros < 1.0:
-        raise SparseforgeError(f"--target-zeros {args.target_zeros} is not a fraction; give a value between 0 and 1, e.g. 0.9")
+    check_target_zeros(args.target_zeros)  # before the (slow) model load
     if Path(args.out).exists() and not args.force:
         raise SparseforgeError(f"output {args.out!r} already exists; choose another --out or pass --force to replace it")
     if Path(args.out).resolve() == Path(args.ckpt).resolve():
@@ -136,12 +135,8 @@ def threshold_command(args) -> int:
     windows, patterns = text_stream(args, tokenizer)
     report = calibrate_thresholds(model, windows, args.tokens, args.target_zeros, args.batch_size, progress=not args.no_progress)
     apply_thresholds(model, report["thresholds"])
-    try:  # the dense original stays the recorded source (eval scores it as "original"), also through later training
-        original = recorded_source(args.ckpt)
-        model.config.sparsity = {**model.config.sparsity, "source": original}
-    except SparseforgeError:
-        original = args.ckpt
-    save_sparse(model, tokenizer, args.out, force=args.force, card=model_card(original, model.config))
+    original = carry_source(model.config, args.ckpt)  # eval's "original" row stays the dense model
+    save_sparse(model, tokenizer, args.out, force=args.force, card=model_card(original, model.config) if original else None)
     write_artifact(args.out, "thresholds", {"source": args.ckpt, "data": patterns, "seq_len": args.seq_len, **report}, THRESHOLDS_FILE_VERSION)
     print(format_table(report))
     print(f"wrote {args.out} ({report['tokens']} tokens, {time.perf_counter() - start:.0f}s); next: `sparseforge measure {args.out}` for the real "

@@ -62,6 +62,11 @@ class _LargestPositive:
         return float(torch.sort(top, descending=True).values[allowed])
 
 
+def check_target_zeros(target: float) -> None:
+    if not 0.0 < target < 1.0:
+        raise SparseforgeError(f"--target-zeros {target} is not a fraction; give a value between 0 and 1, e.g. 0.9")
+
+
 def calibrate_thresholds(model, windows: Iterable[list[int]], tokens: int, target: float, batch_size: int = 4, progress: bool = True) -> dict:
     """Per-layer dReLU thresholds for `target` exact zeros over the first `tokens` tokens of `windows`.
 
@@ -69,8 +74,7 @@ def calibrate_thresholds(model, windows: Iterable[list[int]], tokens: int, targe
     "zero_fraction_before", "zero_fraction_after"}]}; "after" is what the thresholds give on the same
     tokens with every earlier layer unchanged (the model's real sparsity is measured afterwards).
     """
-    if not 0.0 < target < 1.0:
-        raise SparseforgeError(f"--target-zeros {target} is not a fraction; give a value between 0 and 1, e.g. 0.9")
+    check_target_zeros(target)
     if model.config.sparsity.get("activation") != "drelu":
         raise SparseforgeError(f"thresholds are calibrated for drelu; this checkpoint uses {model.config.sparsity.get('activation')!r} "
                                "(convert with --activation drelu first)")

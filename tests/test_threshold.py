@@ -135,3 +135,20 @@ def test_pipeline_trains_a_sparse_starting_checkpoint_without_converting(workspa
     rows, _ = run_pipeline(str(path), only="convert,train", dry_run=True)
     assert [r["status"] for r in rows] == ["not needed", "would run"]
     assert f"model={src}" in rows[1]["result"] and "teacher=" not in rows[1]["result"]
+
+    # training from the sparse checkpoint keeps the dense original as the recorded source (eval's "original" row)
+    rows, ckpt = run_pipeline(str(path), only="convert,train", progress=False)
+    assert [r["status"] for r in rows] == ["not needed", "ran"]
+    assert json.loads((ckpt / "config.json").read_text())["sparsity"]["source"] == str(workspace / "dense")
+    assert f"conversion of `{workspace / 'dense'}`" in (ckpt / "README.md").read_text()
+
+
+def test_threshold_claims_no_source_it_does_not_know(tmp_path, one_thread):
+    model = convert_model(tiny_model("llama"), "drelu")  # no recorded source, no model card
+    save_sparse(model, tiny_tokenizer(), tmp_path / "anon")
+    data = tmp_path / "text.txt"
+    data.write_text("some text to calibrate on. " * 200)
+    assert main(["threshold", str(tmp_path / "anon"), "--target-zeros", "0.9", "--out", str(tmp_path / "t"), "--data", str(data),
+                 "--seq-len", "32", "--tokens", "128", "--no-progress"]) == 0
+    assert "source" not in json.loads((tmp_path / "t" / "config.json").read_text())["sparsity"]
+    assert not (tmp_path / "t" / "README.md").exists()  # a card would name the sparse input as the original

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from sparseforge.checkpoint import atomic_write_text, save_sparse
+from sparseforge.checkpoint import atomic_write_text, carry_source, save_sparse
 from sparseforge.errors import SparseforgeError
 from sparseforge.families import is_sparse
 from sparseforge.sources import load_model
@@ -38,6 +38,7 @@ def _models(r: Recipe):
     model, tokenizer, _ = load_model(r.model, dtype="float32")
     needs_teacher = r.distill_kl > 0 or r.layerwise_tokens > 0
     if is_sparse(model.config):
+        carry_source(model.config, r.model)
         teacher = load_model(r.teacher, dtype="float32")[0] if needs_teacher and r.teacher else None
         if needs_teacher and teacher is None:
             raise SparseforgeError("distill_kl / layerwise_tokens need a dense teacher: set recipe key 'teacher' (model is already sparse)")
@@ -278,8 +279,8 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
         sparsity = unwrapped.config.sparsity
         sparsity["trained_tokens"] = sparsity.get("trained_tokens", 0) + step * tokens_per_step  # end to end
         sparsity["layerwise_tokens"] = sparsity.get("layerwise_tokens", 0) + r.layerwise_tokens
-        source = sparsity.get("source", r.model)  # the dense original, also when training a converted checkpoint
-        save_sparse(unwrapped, tokenizer, checkpoint, force=True, card=model_card(source, unwrapped.config))
+        source = sparsity.get("source")  # the dense original (convert records it; _models carries it from a sparse start)
+        save_sparse(unwrapped, tokenizer, checkpoint, force=True, card=model_card(source, unwrapped.config) if source else None)
     accelerator.wait_for_everyone()
     if r.report_to:
         accelerator.end_training()
