@@ -59,10 +59,10 @@ def kv_bytes(ckpt: Path, position: int, elem: int) -> int:
 
 
 class Sparseforge:
-    def __init__(self, ckpt, mode, dtype, context, threads):
+    def __init__(self, ckpt, mode, dtype, context, threads, predictor_dtype=None):
         from sparseforge.runtime.engine import Engine
 
-        self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False)
+        self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False, predictor_dtype=predictor_dtype)
         self.name, self.bytes = "sparseforge oracle (exact masks)" if mode == "oracle" else f"sparseforge {mode}", []
 
     def run(self, ids, n):
@@ -259,7 +259,7 @@ def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list
     for prec in args.precisions:
         dtype, hf_dtype, gguf_type = PRECISIONS[prec]
         for mode in ("sparse", "oracle", "dense"):
-            out.append((prec, Sparseforge(ckpt, mode, dtype, context, args.threads)))
+            out.append((prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None)))
         if hf_dtype is not None and not args.no_hf:
             elem = 4 if hf_dtype == torch.float32 else 2
             out.append((prec, HFGenerate(ckpt, hf_dtype, dense_bytes(ckpt, elem) + kv_bytes(ckpt, position, elem))))
@@ -267,6 +267,8 @@ def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list
         if llama is not None:
             out.append((prec, llama))
         out += [(prec, PowerInfer(Path(args.powerinfer), path, label, text, context, args.threads)) for label, path in ggufs if POWERINFER_TYPES[label][0] == prec]
+    if args.predictor_dtype:
+        notes.append(f"sparseforge sparse: {args.predictor_dtype} predictors (--predictor-dtype)")
     if not args.powerinfer:
         notes.append("PowerInfer: skipped (no --powerinfer binary)")
     notes += [f"PowerInfer {label}: skipped (its precision block {POWERINFER_TYPES[label][0]} is not in --precisions)" for label, _ in ggufs
@@ -284,6 +286,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (real text from the local data)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run (EOS ignored)")
     p.add_argument("--reps", type=int, default=3, help="repetitions (engines alternate inside each)")
+    p.add_argument("--predictor-dtype", choices=("float32", "float16", "bfloat16", "int8"), default=None,
+                   help="dtype of the sparse rows' predictors (default: each row's weight dtype)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
     p.add_argument("--llama-bench", default=None, metavar="PATH", help="a llama-bench binary to use instead of llama-cpp-python")

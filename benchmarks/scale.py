@@ -3,12 +3,18 @@ of MLP neurons inactive), the engine's sparse mode against its own dense mode.
 
     python benchmarks/scale.py --threads 2             # writes benchmarks/results/scale-t2.{json,md}
 
-Checkpoints are written once to --work-dir (never the repository): a dReLU conversion of a random `LlamaForCausalLM`
-(weights stored float16 to halve the 3B shape's 12.8 GB) and, per sparsity, a sibling directory that links the
-weights and holds a synthetic predictor: rank 2, `fc1 = [w; -w]`, `fc2[j] = [s_j, s_j]` with `s_j = +1` for a
-random (1 - sparsity) fraction of each layer's neurons, threshold 1e-12, so `score_j = s_j |w . x|` selects exactly
-those neurons on every token (its cost, 4 x H + 2 x I floats per layer, is negligible). The set is fixed per layer,
-not per token. When two engines of a shape do not fit in half the available memory, the dense and sparse runs
+Checkpoints are written once to --work-dir (never the repository): a random `LlamaForCausalLM` as a sparseforge
+checkpoint (weights stored float16 to halve the 3B shape's 12.8 GB) and, per sparsity, a sibling directory that
+links the weights and holds a synthetic predictor: rank 2, `fc1 = [w; -w]`, `fc2[j] = [s_j, s_j]` with `s_j = +1`
+for a random (1 - sparsity) fraction of each layer's neurons, threshold 1e-12, so `score_j = s_j |w . x|` selects
+exactly those neurons on every token (its cost, 4 x H + 2 x I floats per layer, is negligible). The set is fixed
+per layer, not per token.
+
+The checkpoint keeps the SwiGLU activation (`silu`), so every selected neuron reads its gate row, up row and down
+column: exactly what a firing neuron costs, and the MLP bytes are (1 - sparsity) of the dense ones. A dReLU
+conversion of random weights would not model that: its gate stops about half of the selected neurons before
+their up row and only about a quarter fire, so "90 %" would read the bytes of ~97 % sparsity (what this sweep
+measured before the change; docs/benchmarks.md). When two engines of a shape do not fit in half the available memory, the dense and sparse runs
 are sequential instead of alternating (recorded per row).
 """
 
@@ -23,10 +29,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import markdown_table, median, setup, time_stream, write_results  # noqa: E402
 
-SHAPES = {  # Llama-family shapes: SmolLM2-135M, Llama-3.2-1B, Llama-3.2-3B (tied embeddings)
+SHAPES = {  # Llama-family shapes: SmolLM2-135M, Llama-3.2-1B, Llama-3.2-3B, Qwen2.5-3B (tied embeddings)
     "135M": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152),
     "1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
     "3B": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, vocab_size=128256),
+    # Qwen2.5-3B's dimensions as a Llama (no qkv bias): 2 KV heads and a wide MLP put 79 % of the bytes in the MLP
+    # (Llama-3.2-3B: 66 %), which bounds what MLP sparsity can save
+    "3B-qwen": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2, vocab_size=151936),
 }
 
 
@@ -36,13 +45,14 @@ def tokenizer_source() -> Path:
 
 
 def build_checkpoint(shape: str, work: Path) -> Path:
-    """A random-init dReLU Llama of `shape`, float16, written once to work/<shape>."""
+    """A random-init Llama of `shape` as a sparse checkpoint with SwiGLU kept (module docstring), float16, written
+    once to work/<shape>-silu."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from sparseforge.checkpoint import save_sparse
     from sparseforge.sparsify.convert import convert_model
 
-    out = work / shape
+    out = work / f"{shape}-silu"
     if (out / "config.json").is_file():
         return out
     config = LlamaConfig(**SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -54,7 +64,7 @@ def build_checkpoint(shape: str, work: Path) -> Path:
     finally:
         torch.set_default_dtype(before)
     model.config.dtype = torch.float16
-    save_sparse(convert_model(model, "drelu"), AutoTokenizer.from_pretrained(tokenizer_source(), trust_remote_code=True), out)
+    save_sparse(convert_model(model, "silu"), AutoTokenizer.from_pretrained(tokenizer_source(), trust_remote_code=True), out)
     return out
 
 
@@ -103,7 +113,7 @@ class Run:
         from sparseforge.runtime.engine import Engine
 
         self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False)
-        self.mode, self.results, self.bytes, self.computed = mode, [], [], []
+        self.mode, self.results, self.bytes, self.computed, self.fired = mode, [], [], [], []
 
     def run(self, ids, n):
         from sparseforge.runtime.engine import GenerationConfig
@@ -113,6 +123,7 @@ class Run:
         s = self.engine.stats()
         self.bytes.append(s["bytes_touched_per_decode_token"])
         self.computed.append(s["neurons_computed_fraction"])
+        self.fired.append(s["neurons_fired_fraction"])
 
 
 def measure(runs: list[Run], ids, n, reps, alternate: bool) -> None:
@@ -122,6 +133,7 @@ def measure(runs: list[Run], ids, n, reps, alternate: bool) -> None:
         r.results.clear()
         r.bytes.clear()
         r.computed.clear()
+        r.fired.clear()
     order = [r for _ in range(reps) for r in runs] if alternate else [r for r in runs for _ in range(reps)]
     for r in order:
         r.run(ids, n)
@@ -170,6 +182,7 @@ def main() -> None:
                 measure([sparse], ids, args.new_tokens, args.reps, False)
             s_tps, d_tps = median(sparse.results), dense_result[0]
             rows.append({"shape": shape, "parameters": params, "dtype": args.dtype, "sparsity": sparsity, "neurons_computed": median(sparse.computed),
+                         "neurons_fired": median(sparse.fired),
                          "sparse_tps": s_tps, "dense_tps": d_tps, "speedup": s_tps / d_tps, "sparse_mb": median(sparse.bytes) / 1e6,
                          "dense_mb": dense_result[1] / 1e6, "bytes_ratio": dense_result[1] / median(sparse.bytes),
                          "order": "alternating" if alternate else "sequential", "sparse_all": sparse.results})  # fmt: skip
@@ -180,7 +193,7 @@ def main() -> None:
         gc.collect()
     data = {"command": "python " + " ".join(sys.argv), "environment": env, "bandwidth": bandwidth, "rows": rows, "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "reps": args.reps}  # fmt: skip
-    cols = [("shape", "shape", ""), ("parameters", "parameters", ","), ("dtype", "weights", ""), ("sparsity", "sparsity", ".2f"),
+    cols = [("shape", "shape", ""), ("parameters", "parameters", ","), ("dtype", "weights", ""), ("sparsity", "sparsity", ".2f"), ("neurons_fired", "neurons fired", ".3f"),
             ("sparse_tps", "sparse tok/s", ".2f"), ("dense_tps", "dense tok/s", ".2f"), ("speedup", "sparse ÷ dense", ".2f"),
             ("sparse_mb", "sparse MB/token", ".0f"), ("dense_mb", "dense MB/token", ".0f"), ("bytes_ratio", "bytes ratio", ".2f"), ("order", "order", "")]  # fmt: skip
     table = markdown_table(rows, cols) + f"\n\nread bandwidth {bandwidth['read_gbs']:.1f} GB/s ({args.threads} threads)"

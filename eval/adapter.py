@@ -38,16 +38,22 @@ BACKENDS = ("runtime", "hf")
 Request = tuple[tuple[str, str] | None, list[int], list[int]]  # (strings, context ids, continuation ids)
 
 
-def load_engine(pretrained: str, mode: str, backend: str, weight_dtype: str, context: int, threads: int | None, progress: bool):
-    """An engine for `pretrained` in `mode`: the sparse runtime ("runtime") or transformers ("hf")."""
+def load_engine(pretrained: str, mode: str, backend: str, weight_dtype: str, context: int, threads: int | None, progress: bool,
+                predictor_dtype: str | None = None):
+    """An engine for `pretrained` in `mode`: the sparse runtime ("runtime") or transformers ("hf", which runs
+    the stored float32 predictors: predictor_dtype must be None)."""
     if backend == "runtime":
         try:
             from sparseforge.runtime.engine import Engine
         except ImportError as e:
             raise SparseforgeError(f"the sparse runtime engine is not available ({e}); pass backend=hf to score through transformers") from None
-        return Engine.load(pretrained, mode=mode, weight_dtype=weight_dtype, context=context, threads=threads, progress=progress)
+        return Engine.load(pretrained, mode=mode, weight_dtype=weight_dtype, context=context, threads=threads, progress=progress,
+                           predictor_dtype=predictor_dtype)
     if backend == "hf":
         from sparseforge.eval.hf_engine import HFEngine
+
+        if predictor_dtype:
+            raise SparseforgeError(f"predictor_dtype={predictor_dtype} needs backend=runtime (the hf backend runs the stored float32 predictors)")
 
         if threads:
             torch.set_num_threads(threads)
@@ -65,7 +71,7 @@ def _score(logits: torch.Tensor, targets: list[int]) -> tuple[float, bool]:
 @register_model("sparseforge")
 class SparseforgeLM(TemplateLM):
     """lm-eval LM over a sparseforge engine (module docstring). model_args: pretrained=CKPT, mode=sparse|oracle|dense,
-    backend=runtime|hf, weight_dtype=float32, batch_size=8, threads=N, context=2048, max_gen_toks=256,
+    backend=runtime|hf, weight_dtype=float32, predictor_dtype=(weight_dtype), batch_size=8, threads=N, context=2048, max_gen_toks=256,
     share_min_saved=128 (context tokens a shared context must save to be run once; 0: always)."""
 
     def __init__(
@@ -74,6 +80,7 @@ class SparseforgeLM(TemplateLM):
         mode: str = "sparse",
         backend: str = "runtime",
         weight_dtype: str = "float32",
+        predictor_dtype: str | None = None,
         batch_size: int | str = 8,
         threads: int | None = None,
         context: int = 2048,
@@ -87,7 +94,8 @@ class SparseforgeLM(TemplateLM):
         if engine is None:
             if pretrained is None:
                 raise SparseforgeError("model_args need pretrained=CKPT (a sparse checkpoint directory)")
-            engine = load_engine(str(pretrained), mode, backend, weight_dtype, int(context), int(threads) if threads else None, progress)
+            engine = load_engine(str(pretrained), mode, backend, weight_dtype, int(context), int(threads) if threads else None, progress,
+                                 predictor_dtype or None)
         try:
             self._batch_size = int(batch_size)
         except ValueError:

@@ -62,6 +62,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="sparse: compute the neurons the predictors select; dense: every neuron (the baseline); oracle: the exact "
                    "firing mask (computes the gate/up rows to find it; for parity checks)")  # fmt: skip
     p.add_argument("--weight-dtype", choices=DTYPE_CHOICES, default="float32", help="weight dtype the engine computes with (int8: int8 weights, inputs of their dot products quantized per block of 32)")
+    p.add_argument("--predictor-dtype", choices=DTYPE_CHOICES, default=None,
+                   help="dtype of the sparse mode's predictors (default: --weight-dtype). int8 reads a quarter of float32's "
+                   "predictor bytes per token and chooses the same neurons within rounding (docs/runtime.md)")  # fmt: skip
     p.add_argument("--context", type=int, default=2048, help="tokens of KV cache: prompt + generated tokens must fit")
     p.add_argument("--fast-memory", metavar="SIZE", default=None,
                    help="keep only this much resident (as for `sparseforge plan`: 300MB, 1.5GiB, 25%%); hot neurons pinned, cold "
@@ -142,7 +145,7 @@ def open_engine(args):
 
             units = stack.enter_context(tiered_units(args.ckpt, args.fast_memory, args.weight_dtype, context=args.context, progress=not args.no_progress))
         yield Engine.load(args.ckpt, mode=args.mode, weight_dtype=args.weight_dtype, context=args.context, threads=args.threads,
-                          units=units, progress=not args.no_progress)  # fmt: skip
+                          units=units, progress=not args.no_progress, predictor_dtype=args.predictor_dtype)  # fmt: skip
 
 
 def _generation(args, engine, max_new_tokens: int):

@@ -97,9 +97,11 @@ class Engine:
 
     @classmethod
     def load(cls, ckpt: str | Path, mode: str = "sparse", weight_dtype: str = "float32", context: int = 2048, threads: int | None = None,
-             units: Callable | None = None, progress: bool = True, native: bool | None = None) -> "Engine":
+             units: Callable | None = None, progress: bool = True, native: bool | None = None, predictor_dtype: str | None = None) -> "Engine":
         """Read a sparse checkpoint. units: optional factory (layer, expert, reader) -> MLPUnit
-        (runtime/weights.py); default: every bundle resident. threads: kernel and torch threads
+        (runtime/weights.py); default: every bundle resident. predictor_dtype: the sparse mode's predictors
+        in another dtype than the weights (default: weight_dtype); int8 predictors read a quarter of the float32
+        bytes and choose the same neurons within rounding (docs/runtime.md). threads: kernel and torch threads
         (default: torch's current setting; when given, torch.set_num_threads(threads) is applied).
         native: use the compiled kernels (default: when they build); False forces the PyTorch ops."""
         from transformers import AutoTokenizer
@@ -119,7 +121,7 @@ class Engine:
         if mode == "sparse":
             if not (ckpt / "predictors.json").is_file():
                 raise SparseforgeError(f"{ckpt} has no predictors (predictors.json); train them with `sparseforge predictors train {ckpt}` or use mode='oracle'/'dense'")
-            predictors = load_unit_predictors(ckpt, weight_dtype)
+            predictors = load_unit_predictors(ckpt, predictor_dtype or weight_dtype)
         reader = WeightReader(ckpt, weight_dtype)
         available = kernels.native() is not None
         if native and not available:
@@ -322,6 +324,11 @@ class Engine:
             total += self._predictor_bytes() * self.top_k // experts
         return total
 
+    def _predictor_dtype(self) -> str | None:
+        """The predictors' dtype name (None: no predictors in this mode)."""
+        p = next((p for p in (self.predictors or {}).values() if p is not None), None)
+        return None if p is None else str(p.fc1[0].dtype).removeprefix("torch.")
+
     def _predictor_bytes(self) -> int:
         return sum(p.nbytes for p in (self.predictors or {}).values() if p is not None)
 
@@ -375,6 +382,7 @@ class Engine:
         out = {
             "mode": self.mode,
             "weight_dtype": self.weight_dtype,
+            "predictor_dtype": self._predictor_dtype(),
             "threads": self.threads,
             "native_kernels": self.native,
             "prefill_tokens": c.prefill_tokens,

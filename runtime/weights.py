@@ -215,10 +215,13 @@ class UnitPredictor:
 
 
 def load_unit_predictors(ckpt: str | Path, weight_dtype: str) -> dict[tuple[int, int], UnitPredictor | None]:
-    """The checkpoint's predictors per (layer, expert), converted to the weight dtype like every other
-    matrix (float32: exactly the stored ones); None for a unit without one (all neurons active)."""
+    """The checkpoint's predictors per (layer, expert), converted to `weight_dtype` like every other matrix
+    (float32: exactly the stored ones; the engine's predictor dtype, by default its weight dtype); None for a unit
+    without one (all neurons active)."""
     from sparseforge.predictors.store import load_predictors
 
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise SparseforgeError(f"unknown predictor dtype {weight_dtype!r}; use one of {', '.join(WEIGHT_DTYPES)}")
     predictors = load_predictors(ckpt)
     out = {}
     for key, model in predictors.predictors.items():

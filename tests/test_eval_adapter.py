@@ -110,6 +110,8 @@ def test_model_args_are_checked():
         SparseforgeLM()
     with pytest.raises(SparseforgeError, match="backend"):
         SparseforgeLM(pretrained="x", backend="nope")
+    with pytest.raises(SparseforgeError, match="predictor_dtype=int8 needs backend=runtime"):
+        SparseforgeLM(pretrained="x", backend="hf", predictor_dtype="int8")
 
 
 def random_predictors(ckpt, layers: int = 2, hidden: int = 64, intermediate: int = 128, seed: int = 0) -> None:

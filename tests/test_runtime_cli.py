@@ -45,9 +45,9 @@ def ckpt(tmp_path_factory):
     return engine_checkpoint(tmp_path_factory.mktemp("runtime-cli"))
 
 
-def expected_text(ckpt, ids, mode="sparse", n=12, stop_ids=()):
+def expected_text(ckpt, ids, mode="sparse", n=12, stop_ids=(), predictor_dtype=None):
     """The engine's greedy tokens for ids, decoded: what the CLI must print."""
-    engine = Engine.load(ckpt, mode=mode, context=256, progress=False)
+    engine = Engine.load(ckpt, mode=mode, context=256, progress=False, predictor_dtype=predictor_dtype)
     tokens = list(engine.generate(ids, GenerationConfig(max_new_tokens=n, stop_ids=stop_ids)))
     return engine.tokenizer.decode([t for t in tokens if t not in stop_ids], skip_special_tokens=True)
 
@@ -61,6 +61,13 @@ def test_generate_prints_the_engines_greedy_tokens(ckpt, mode, capsys):
     assert out == expected_text(ckpt, ids, mode) + "\n"
     stats = err.strip().splitlines()[-1]
     assert stats.startswith("stats: ") and f"mode={mode}" in stats and "decode_tokens=11" in stats
+
+
+def test_generate_with_int8_predictors(ckpt, capsys):
+    ids = tiny_tokenizer()(PROMPT)["input_ids"]
+    assert main(["generate", str(ckpt), "--prompt", PROMPT, "--raw", "--max-new-tokens", "12", "--ignore-eos", "--context", "256",
+                 "--no-progress", "--predictor-dtype", "int8"]) == 0  # fmt: skip
+    assert capsys.readouterr().out == expected_text(ckpt, ids, predictor_dtype="int8") + "\n"
 
 
 def chat_ids(messages):

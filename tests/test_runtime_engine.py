@@ -143,6 +143,39 @@ def test_reduced_weight_dtypes_stay_close(ckpts, dtype, atol):
         assert engine.stats()["resident_weight_bytes"] < Engine.load(ckpt, mode="oracle", context=16, progress=False).stats()["resident_weight_bytes"]
 
 
+def test_int8_predictors(ckpts):
+    """predictor_dtype=int8 with float32 weights: logits equal HF masked by the int8 predictors (their rows
+    dequantized, their inputs quantized per block of 32 as the kernels do); native and PyTorch predictors choose
+    the same neurons; the MLP weights stay float32; a bad dtype is named."""
+    from sparseforge.runtime.units import quantize_rows
+
+    model, ckpt = ckpts["llama"]
+    stored = load_predictors(ckpt)
+    for p in stored.predictors.values():
+        fc1, fc2 = (quantize_rows(fc.weight.detach()) for fc in (p.fc1, p.fc2))
+        p.forward = lambda x, fc1=fc1, fc2=fc2: kernels.matvec_torch(*fc2, None, torch.relu(kernels.matvec_torch(*fc1, None, x)))
+    ids = _ids(t=9, seed=1)
+    with torch.no_grad(), masked_mlps(model, "predicted", stored):
+        ref = model(ids).logits
+    x = torch.randn(32, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    for native in NATIVE:
+        engine = Engine.load(ckpt, mode="sparse", context=32, progress=False, native=native, predictor_dtype="int8")
+        torch.testing.assert_close(_engine_logits(engine, ids, 4), ref, atol=2e-5, rtol=1e-4)
+    if kernels.native() is not None:
+        for p in engine.predictors.values():
+            I = p.fc2[0].shape[0]
+            out, scratch = torch.empty(I, dtype=torch.long), torch.empty(p.fc1[0].shape[0] + I)
+            for row in x:
+                native_mask = torch.zeros(I, dtype=torch.bool)
+                native_mask[kernels.predict_native(p.fc1, p.fc2, p.threshold, row, out, scratch, 1)] = True
+                assert torch.equal(native_mask, kernels.predict_torch(p.fc1, p.fc2, p.threshold, row[None])[0])
+    assert all(p.fc1[0].dtype == p.fc2[0].dtype == torch.int8 for p in engine.predictors.values())
+    assert engine.stats()["predictor_dtype"] == "int8" and engine.stats()["weight_dtype"] == "float32"
+    assert all(u.bundles.dtype == torch.float32 for layer in engine.weights.layers for u in layer.units)
+    with pytest.raises(SparseforgeError, match="unknown predictor dtype 'int4'"):
+        Engine.load(ckpt, mode="sparse", context=32, progress=False, predictor_dtype="int4")
+
+
 def test_seeded_sampling_is_reproducible_and_stop_ids_stop(ckpts):
     _, ckpt = ckpts["llama"]
     engine = Engine.load(ckpt, mode="oracle", context=64, progress=False)
