@@ -54,7 +54,6 @@ def load_engine(pretrained: str, mode: str, backend: str, weight_dtype: str, con
 
         if predictor_dtype:
             raise SparseforgeError(f"predictor_dtype={predictor_dtype} needs backend=runtime (the hf backend runs the stored float32 predictors)")
-
         if threads:
             torch.set_num_threads(threads)
         return HFEngine.load(pretrained, mode=mode, weight_dtype=weight_dtype, context=context)
