@@ -37,6 +37,7 @@ from gguf_export import export_gguf, original_smollm2_gguf  # noqa: E402
 
 from sparseforge.data import pretrain_prompt  # noqa: E402
 from sparseforge.errors import SparseforgeError  # noqa: E402
+from sparseforge.runtime.weights import WEIGHT_DTYPES  # noqa: E402
 
 PRECISIONS = {"fp32": ("float32", torch.float32, "F32"), "fp16": ("float16", torch.bfloat16, "F16"), "int8": ("int8", None, "Q4_1")}
 POWERINFER_TYPES = {"F32": ("fp32", "all F32"), "F16": ("fp16", "mostly F16"), "Q4_0": ("int8", "mostly Q4_0"), "Q4_1": ("int8", "mostly Q4_1")}
@@ -286,7 +287,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (real text from the local data)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run (EOS ignored)")
     p.add_argument("--reps", type=int, default=3, help="repetitions (engines alternate inside each)")
-    p.add_argument("--predictor-dtype", choices=("float32", "float16", "bfloat16", "int8"), default=None,
+    p.add_argument("--predictor-dtype", choices=list(WEIGHT_DTYPES), default=None,
                    help="dtype of the sparse rows' predictors (default: each row's weight dtype)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from sparseforge.checkpoint import atomic_directory
+from sparseforge.checkpoint import atomic_directory, check_output
 from sparseforge.errors import SparseforgeError
 
 SUPPORTED = ("llama", "mistral")  # attention without biases or q/k norms: what bamboo computes
@@ -88,8 +88,7 @@ def export_powerinfer(ckpt: str | Path, out: str | Path, all_active: bool = Fals
     from sparseforge.predictors.store import load_predictors
 
     ckpt, out = Path(ckpt), Path(out)
-    if out.exists() and not force:
-        raise SparseforgeError(f"output {str(out)!r} already exists; choose another --out or pass --force to replace it")
+    check_output(out, force)
     config = json.loads((ckpt / "config.json").read_text())
     _check_config(config)
     layers, hidden, width = config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]

@@ -40,13 +40,12 @@ from sparseforge.checkpoint import atomic_write_text
 from sparseforge.errors import SparseforgeError
 from sparseforge.runtime.plan import DTYPES, model_shape, neuron_bytes
 from sparseforge.runtime.units import convert_bundles, make_bundles
-from sparseforge.runtime.weights import WeightReader
+from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader
 
 BUNDLES_FORMAT_VERSION = 2  # 2: int8 down columns with per-channel scales (the index's "channels" per unit)
 ALIGN = 4096  # header size and unit alignment: the usual O_DIRECT logical block size and page size
 MAGIC = b"SFNEURON"
 MERGE_GAP = 128 * 1024  # bytes of unrequested records a read may span to join two runs into one read
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
 
 def bundle_paths(ckpt: str | Path, dtype: str) -> tuple[Path, Path]:
@@ -78,7 +77,7 @@ def _file_order(ckpt: Path, layers: int, experts: int, width: int) -> tuple[torc
 def encode_records(bundles: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A unit's bundles [I, 3, H] float32 -> (records uint8 [I, record_bytes] in `dtype`, int8: rows then 3 float32
     scales; the down columns' channel scales [H] for int8, else None)."""
-    b, scales, channels = convert_bundles(bundles, TORCH_DTYPES[dtype])
+    b, scales, channels = convert_bundles(bundles, WEIGHT_DTYPES[dtype])
     parts = [t.view(torch.uint8).reshape(b.shape[0], -1) for t in (b, scales) if t is not None]
     return torch.cat(parts, dim=1), channels
 
@@ -313,7 +312,7 @@ class BundleFile:
         numpy with each row one item. Not torch: torch ops on the store's reader thread start a second OpenMP team there, and the
         decode kernels then ran at half speed (docs/runtime.md "Neuron store")."""
         rec = records.numpy()
-        rows = 3 * self.hidden * TORCH_DTYPES[self.dtype].itemsize
+        rows = 3 * self.hidden * WEIGHT_DTYPES[self.dtype].itemsize
         parts = [(bundles, 0, rows)] + ([(scales, rows, self.record - rows)] if scales is not None else [])
         for dest, lo, width in parts:
             item = np.dtype((np.void, width))

@@ -36,9 +36,10 @@ import numpy as np
 import torch
 
 from sparseforge.errors import SparseforgeError
-from sparseforge.runtime.bundles import MERGE_GAP, TORCH_DTYPES, BundleFile, ensure_bundles
+from sparseforge.runtime.bundles import MERGE_GAP, BundleFile, ensure_bundles
 from sparseforge.runtime.plan import PlanRequest, human_bytes, load_plan, make_plan, parse_size, solve_counts
 from sparseforge.runtime.units import Request
+from sparseforge.runtime.weights import WEIGHT_DTYPES
 
 COUNTERS = ("requests", "neurons", "hot_hits", "cache_hits", "misses", "evictions", "bytes_read", "records_read", "reads")
 
@@ -220,7 +221,7 @@ class NeuronStore:
         self.pool_start = at
         n = at + self.pool_slots
         with torch.inference_mode(False):  # normal tensors: the reader thread writes them outside inference mode
-            self.bundles = torch.empty((n, 3, self.file.hidden), dtype=TORCH_DTYPES[self.file.dtype])
+            self.bundles = torch.empty((n, 3, self.file.hidden), dtype=WEIGHT_DTYPES[self.file.dtype])
             self.scales = torch.empty(n, 3, dtype=torch.float32) if self.file.dtype == "int8" else None
         self.neuron_in = np.full(n, -1, dtype=np.int64)  # [S] slot -> neuron id of its owner unit, -1 empty
         self.owner = np.full(n, -1, dtype=np.int64)  # [S] slot -> index of the unit whose neuron it holds

@@ -214,14 +214,14 @@ class UnitPredictor:
         return sum(t.numel() * t.element_size() for pair in (self.fc1, self.fc2) for t in pair if t is not None)
 
 
-def load_unit_predictors(ckpt: str | Path, weight_dtype: str) -> dict[tuple[int, int], UnitPredictor | None]:
-    """The checkpoint's predictors per (layer, expert), converted to `weight_dtype` like every other matrix
-    (float32: exactly the stored ones; the engine's predictor dtype, by default its weight dtype); None for a unit
+def load_unit_predictors(ckpt: str | Path, dtype: str) -> dict[tuple[int, int], UnitPredictor | None]:
+    """The checkpoint's predictors per (layer, expert), converted to `dtype` (the engine's predictor dtype, by
+    default its weight dtype) as `convert` does every matrix (float32: exactly the stored ones); None for a unit
     without one (all neurons active)."""
     from sparseforge.predictors.store import load_predictors
 
-    if weight_dtype not in WEIGHT_DTYPES:
-        raise SparseforgeError(f"unknown predictor dtype {weight_dtype!r}; use one of {', '.join(WEIGHT_DTYPES)}")
+    if dtype not in WEIGHT_DTYPES:
+        raise SparseforgeError(f"unknown predictor dtype {dtype!r}; use one of {', '.join(WEIGHT_DTYPES)}")
     predictors = load_predictors(ckpt)
     out = {}
     for key, model in predictors.predictors.items():
@@ -229,8 +229,8 @@ def load_unit_predictors(ckpt: str | Path, weight_dtype: str) -> dict[tuple[int,
             out[key] = None
         else:
             w1, w2 = model.fc1.weight.detach(), model.fc2.weight.detach()
-            if weight_dtype == "int8":  # rank padded with zero units to whole blocks of 32: fc2's short int8 rows then start on
+            if dtype == "int8":  # rank padded with zero units to whole blocks of 32: fc2's short int8 rows then start on
                 pad = -w1.shape[0] % kernels.Q8_BLOCK  # block boundaries, no scalar tail (rank 120: 29 -> 20 us a layer; same scores)
                 w1, w2 = torch.nn.functional.pad(w1, (0, 0, 0, pad)), torch.nn.functional.pad(w2, (0, pad))
-            out[key] = UnitPredictor(convert(w1, weight_dtype), convert(w2, weight_dtype), predictors.thresholds[key])
+            out[key] = UnitPredictor(convert(w1, dtype), convert(w2, dtype), predictors.thresholds[key])
     return out

@@ -128,11 +128,16 @@ def atomic_directory(out: Path):
         raise
 
 
+def check_output(out: str | Path, force: bool) -> None:
+    """Refuse an existing output directory unless `force` (callers check before slow work, writers again)."""
+    if Path(out).exists() and not force:
+        raise SparseforgeError(f"output {str(out)!r} already exists; choose another --out or pass --force to replace it")
+
+
 def save_sparse(model, tokenizer, out: str | Path, force: bool = False, card: str | None = None) -> Path:
     """Write a complete sparse checkpoint to `out` atomically (assembled in a temp dir, then renamed)."""
     out = Path(out)
-    if out.exists() and not force:
-        raise SparseforgeError(f"output {str(out)!r} already exists; choose another --out or pass --force to replace it")
+    check_output(out, force)
     with atomic_directory(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -9,9 +9,6 @@ continues where it stopped when the same command is given again.
 
     convert          sparseforge convert MODEL --activation A --out OUTPUT_DIR/converted
     train            sparseforge train --config RECIPE (model: the converted checkpoint, teacher: MODEL)
-
-(A recipe whose MODEL is already a sparse checkpoint, e.g. a thresholded one, skips convert and trains
-from MODEL; its recipe names the dense `teacher`.)
     measure          sparseforge measure CKPT            -> sparsity.json
     profile          sparseforge profile CKPT            -> profile.safetensors/json
     predictors       sparseforge predictors train CKPT   -> predictors.safetensors/json
@@ -21,10 +18,14 @@ from MODEL; its recipe names the dense `teacher`.)
     scorecard        sparseforge scorecard CKPT          -> scorecard.json, README.md
     export           sparseforge push CKPT               (--dry-run unless the recipe names a repo)
 
+A recipe whose MODEL is already a sparse checkpoint (e.g. a thresholded one) skips convert and trains from
+MODEL; the recipe then names the dense `teacher`.
+
 CKPT is OUTPUT_DIR/checkpoint. The recipe's `stages:` mapping gives each stage's extra arguments (a
 string, or a list of strings for several commands, or `false` to leave the stage out).
 """
 
+import functools
 import gc
 import hashlib
 import json
@@ -60,7 +61,7 @@ class Run:
     def dir(self) -> Path:
         return Path(self.recipe.output_dir)
 
-    @property
+    @functools.cached_property
     def starts_sparse(self) -> bool:
         """The recipe's model is already a sparse checkpoint (e.g. a thresholded one): nothing to convert."""
         config = Path(self.recipe.model) / "config.json"

@@ -60,7 +60,7 @@ def register(subparsers) -> None:
 
 
 def convert_command(args) -> int:
-    from sparseforge.checkpoint import save_sparse
+    from sparseforge.checkpoint import check_output, save_sparse
     from sparseforge.errors import SparseforgeError
     from sparseforge.sources import load_model
     from sparseforge.sparsify.convert import convert_model, model_card, parse_thresholds
@@ -69,8 +69,7 @@ def convert_command(args) -> int:
     start = time.perf_counter()
     if args.activation not in ACTIVATIONS:  # before the (slow) model load
         raise SparseforgeError(f"unknown --activation {args.activation!r}; choose one of {', '.join(ACTIVATIONS)}")
-    if Path(args.out).exists() and not args.force:
-        raise SparseforgeError(f"output {args.out!r} already exists; choose another --out or pass --force to replace it")
+    check_output(args.out, args.force)
     model, tokenizer, source = load_model(args.model, dtype=args.dtype)
     thresholds = parse_thresholds(args.threshold, args.activation, model.config.num_hidden_layers)
     sparse = convert_model(model, args.activation, thresholds, source=args.model)
@@ -115,7 +114,7 @@ def measure_command(args) -> int:
 
 
 def threshold_command(args) -> int:
-    from sparseforge.checkpoint import carry_source, save_sparse, write_artifact
+    from sparseforge.checkpoint import carry_source, check_output, save_sparse, write_artifact
     from sparseforge.errors import SparseforgeError
     from sparseforge.families import is_sparse
     from sparseforge.sources import load_model
@@ -124,8 +123,7 @@ def threshold_command(args) -> int:
 
     check_positive(tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size, threads=args.threads)
     check_target_zeros(args.target_zeros)  # before the (slow) model load
-    if Path(args.out).exists() and not args.force:
-        raise SparseforgeError(f"output {args.out!r} already exists; choose another --out or pass --force to replace it")
+    check_output(args.out, args.force)
     if Path(args.out).resolve() == Path(args.ckpt).resolve():
         raise SparseforgeError(f"--out {args.out!r} is the input checkpoint; write the thresholded model to a new directory")
     start = time.perf_counter()

@@ -13,10 +13,10 @@ from sparseforge.errors import SparseforgeError
 from sparseforge.predictors.fit import FittedUnit
 from sparseforge.predictors.model import LowRankPredictor
 from sparseforge.predictors.store import save_predictors
-from sparseforge.runtime.bundles import TORCH_DTYPES, BundleFile, build_bundles, bundle_paths, bundles_up_to_date, ensure_bundles
+from sparseforge.runtime.bundles import BundleFile, build_bundles, bundle_paths, bundles_up_to_date, ensure_bundles
 from sparseforge.runtime.plan import PlanRequest, make_plan, parse_size
 from sparseforge.runtime.store import NeuronStore, tiered_units
-from sparseforge.runtime.weights import WeightReader, resident_unit, units_resident_bytes
+from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader, resident_unit, units_resident_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 I = 128  # tiny_model intermediate size
@@ -49,7 +49,7 @@ def _plan(ckpt, size, dtype="float32"):
 def _decode(f, records):
     """Records read from a bundle file -> (bundles [n, 3, H] in its dtype, scales [n, 3] or None), via BundleFile.scatter."""
     n = records.shape[0]
-    bundles = torch.empty(n, 3, f.hidden, dtype=TORCH_DTYPES[f.dtype])
+    bundles = torch.empty(n, 3, f.hidden, dtype=WEIGHT_DTYPES[f.dtype])
     scales = torch.empty(n, 3) if f.dtype == "int8" else None
     f.scatter(records, np.arange(n), bundles, scales)
     return bundles, scales
