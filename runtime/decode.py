@@ -113,7 +113,7 @@ class LeanMLP:
             self.buffers.append(ids)
             predict = None
             if p is not None:
-                (w1, s1), (w2, s2) = p.fc1, p.fc2
+                (w1, s1), (w2, s2) = p.fc1, p.fc2t
                 scratch = torch.empty(w1.shape[0] + inter)
                 self.buffers.append(scratch)
                 predict = (ptr(w1), ptr(s1), ptr(w2), ptr(s2), code(w1.dtype), w1.shape[0], w1.shape[1], inter, self.xp, float(p.threshold), ptr(ids), ptr(scratch))

@@ -271,7 +271,7 @@ class Engine:
         if (layer, expert) not in self._scratch:
             self._scratch[(layer, expert)] = (torch.empty(intermediate, dtype=torch.long), torch.empty(p.fc1[0].shape[0] + intermediate))
         out, scratch = self._scratch[(layer, expert)]
-        ids = kernels.predict_native(p.fc1, p.fc2, p.threshold, resid, out, scratch, self.threads)
+        ids = kernels.predict_native(p.fc1, p.fc2t, p.threshold, resid, out, scratch, self.threads)
         self._counters.predictor_seconds += time.perf_counter() - start
         return ids
 
@@ -282,7 +282,7 @@ class Engine:
         if self.mode == "sparse":
             start = time.perf_counter()
             p = self.predictors[(layer, expert)]
-            keep = torch.ones(x.shape[0], I, dtype=torch.bool) if p is None else kernels.predict_torch(p.fc1, p.fc2, p.threshold, resid)  # [n, I]
+            keep = torch.ones(x.shape[0], I, dtype=torch.bool) if p is None else kernels.predict_torch(p.fc1, p.fc2t, p.threshold, resid)  # [n, I]
             self._counters.predictor_seconds += time.perf_counter() - start
             neurons = keep.any(0).nonzero().flatten()
         else:

@@ -162,20 +162,29 @@ def matvec_torch(w: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tenso
 # -- predictor -------------------------------------------------------------------------------------------
 
 
-def predict_native(fc1: Weights, fc2: Weights, threshold: float, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor, threads: int) -> torch.Tensor:
+def predict_native(fc1: Weights, fc2t: Weights, threshold: float, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor, threads: int) -> torch.Tensor:
     """x: [H] float32 -> ascending LongTensor of neuron ids with fc2(relu(fc1 x)) >= threshold (a view of
-    `out` [I]); fc1 = (weights [rank, H], scales or None), fc2 = ([I, rank], scales or None), one dtype;
-    scratch: float32 [rank + I]."""
-    (w1, s1), (w2, s2) = fc1, fc2
+    `out` [I]); fc1 = (weights [rank, H], per-row scales or None), fc2t = (fc2's weights transposed [rank, I],
+    per-neuron scales [I] or None), one dtype; scratch: float32 [rank + I]."""
+    (w1, s1), (w2, s2) = fc1, fc2t
     rank, hidden = w1.shape
-    n = native().sf_predict(w1.data_ptr(), ptr(s1), w2.data_ptr(), ptr(s2), DTYPE_CODES[w1.dtype], rank, hidden, w2.shape[0], x.data_ptr(),
+    n = native().sf_predict(w1.data_ptr(), ptr(s1), w2.data_ptr(), ptr(s2), DTYPE_CODES[w1.dtype], rank, hidden, w2.shape[1], x.data_ptr(),
                             threshold, out.data_ptr(), scratch.data_ptr(), threads)  # fmt: skip
     return out[:n]
 
 
-def predict_torch(fc1: Weights, fc2: Weights, threshold: float, x: torch.Tensor) -> torch.Tensor:
+def predict_scores_torch(fc1: Weights, fc2t: Weights, x: torch.Tensor) -> torch.Tensor:
+    """Reference scores of sf_predict for rows x [N, H] -> [N, I]: fc1 as any matrix (int8: x quantized per block
+    of 32), then relu(fc1 x) @ fc2t in float32 (int8: times the per-neuron scales; relu(fc1 x) is not quantized)."""
+    z = torch.relu(matvec_torch(*fc1, None, x))
+    w2, s2 = fc2t
+    score = z @ w2.float()
+    return score if s2 is None else score * s2
+
+
+def predict_torch(fc1: Weights, fc2t: Weights, threshold: float, x: torch.Tensor) -> torch.Tensor:
     """Reference of predict_native for rows x [N, H] -> predicted-active mask [N, I] bool."""
-    return matvec_torch(*fc2, None, torch.relu(matvec_torch(*fc1, None, x))) >= threshold
+    return predict_scores_torch(fc1, fc2t, x) >= threshold
 
 
 # -- sparse MLP over bundles -----------------------------------------------------------------------------

@@ -203,15 +203,16 @@ def load_weights(reader: WeightReader, config, mode: str, units: Callable | None
 
 @dataclass
 class UnitPredictor:
-    """One unit's predictor in the engine's weight dtype: active = fc2(relu(fc1 x)) >= threshold."""
+    """One unit's predictor in the engine's weight dtype: active = fc2(relu(fc1 x)) >= threshold, with fc2 kept
+    transposed (the native kernel streams its rows of live hidden units, csrc/sparse_kernels.c sf_predict)."""
 
-    fc1: tuple  # (weights [rank, H], int8 scales or None)
-    fc2: tuple  # (weights [I, rank], int8 scales or None)
+    fc1: tuple  # (weights [rank, H], int8: per-row scales [rank], else None)
+    fc2t: tuple  # (fc2's weights transposed [rank, I], int8: per-neuron scales [I] (fc2's row scales), else None)
     threshold: float
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in (self.fc1, self.fc2) for t in pair if t is not None)
+        return sum(t.numel() * t.element_size() for pair in (self.fc1, self.fc2t) for t in pair if t is not None)
 
 
 def load_unit_predictors(ckpt: str | Path, dtype: str) -> dict[tuple[int, int], UnitPredictor | None]:
@@ -228,9 +229,6 @@ def load_unit_predictors(ckpt: str | Path, dtype: str) -> dict[tuple[int, int], 
         if model is None:
             out[key] = None
         else:
-            w1, w2 = model.fc1.weight.detach(), model.fc2.weight.detach()
-            if dtype == "int8":  # rank padded with zero units to whole blocks of 32: fc2's short int8 rows then start on
-                pad = -w1.shape[0] % kernels.Q8_BLOCK  # block boundaries, no scalar tail (rank 120: 29 -> 20 us a layer; same scores)
-                w1, w2 = torch.nn.functional.pad(w1, (0, 0, 0, pad)), torch.nn.functional.pad(w2, (0, pad))
-            out[key] = UnitPredictor(convert(w1, dtype), convert(w2, dtype), predictors.thresholds[key])
+            w2, s2 = convert(model.fc2.weight.detach(), dtype)  # int8: one scale per neuron (fc2 row), then transposed
+            out[key] = UnitPredictor(convert(model.fc1.weight.detach(), dtype), (w2.T.contiguous(), s2), predictors.thresholds[key])
     return out

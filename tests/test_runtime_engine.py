@@ -145,15 +145,15 @@ def test_reduced_weight_dtypes_stay_close(ckpts, dtype, atol):
 
 def test_int8_predictors(ckpts):
     """predictor_dtype=int8 with float32 weights: logits equal HF masked by the int8 predictors (their rows
-    dequantized, their inputs quantized per block of 32 as the kernels do); native and PyTorch predictors choose
-    the same neurons; the MLP weights stay float32; a bad dtype is named."""
+    dequantized; fc1's input quantized per block of 32 as the kernels do, fc2's not); native and PyTorch predictors
+    choose the same neurons; the MLP weights stay float32; a bad dtype is named."""
     from sparseforge.runtime.units import quantize_rows
 
     model, ckpt = ckpts["llama"]
     stored = load_predictors(ckpt)
     for p in stored.predictors.values():
-        fc1, fc2 = (quantize_rows(fc.weight.detach()) for fc in (p.fc1, p.fc2))
-        p.forward = lambda x, fc1=fc1, fc2=fc2: kernels.matvec_torch(*fc2, None, torch.relu(kernels.matvec_torch(*fc1, None, x)))
+        (w1, s1), (w2, s2) = (quantize_rows(fc.weight.detach()) for fc in (p.fc1, p.fc2))
+        p.forward = lambda x, w1=w1, s1=s1, w2=w2, s2=s2: torch.relu(kernels.matvec_torch(w1, s1, None, x)) @ kernels.dequantize(w2, s2).T
     ids = _ids(t=9, seed=1)
     with torch.no_grad(), masked_mlps(model, "predicted", stored):
         ref = model(ids).logits
@@ -163,13 +163,13 @@ def test_int8_predictors(ckpts):
         torch.testing.assert_close(_engine_logits(engine, ids, 4), ref, atol=2e-5, rtol=1e-4)
     if kernels.native() is not None:
         for p in engine.predictors.values():
-            I = p.fc2[0].shape[0]
+            I = p.fc2t[0].shape[1]
             out, scratch = torch.empty(I, dtype=torch.long), torch.empty(p.fc1[0].shape[0] + I)
             for row in x:
                 native_mask = torch.zeros(I, dtype=torch.bool)
-                native_mask[kernels.predict_native(p.fc1, p.fc2, p.threshold, row, out, scratch, 1)] = True
-                assert torch.equal(native_mask, kernels.predict_torch(p.fc1, p.fc2, p.threshold, row[None])[0])
-    assert all(p.fc1[0].dtype == p.fc2[0].dtype == torch.int8 for p in engine.predictors.values())
+                native_mask[kernels.predict_native(p.fc1, p.fc2t, p.threshold, row, out, scratch, 1)] = True
+                assert torch.equal(native_mask, kernels.predict_torch(p.fc1, p.fc2t, p.threshold, row[None])[0])
+    assert all(p.fc1[0].dtype == p.fc2t[0].dtype == torch.int8 for p in engine.predictors.values())
     assert engine.stats()["predictor_dtype"] == "int8" and engine.stats()["weight_dtype"] == "float32"
     assert all(u.bundles.dtype == torch.float32 for layer in engine.weights.layers for u in layer.units)
     with pytest.raises(SparseforgeError, match="unknown predictor dtype 'int4'"):

@@ -9,7 +9,8 @@
  * int8 weight to float made the int8 kernels compute-bound at ~17 GB/s where the bandwidth is ~25.
  *
  *   sf_matvec      y[b, r] = scale[r] * dot(W[r, :], x[b, :])          dense rows (attention, lm_head)
- *   sf_predict     ids of neurons whose predictor score fc2(relu(fc1 x)) >= threshold (weights of any dtype)
+ *   sf_predict     ids of neurons whose predictor score fc2(relu(fc1 x)) >= threshold (weights of any dtype; fc2
+ *                  transposed, [rank, I], so the hidden units relu zeroed are skipped)
  *   sf_sparse_mlp  y += out_scale * sum_j act(gate_j . x, up_j . x) * down_j over the given slots of
  *                  bundles [S, 3, H] (gate row, up row, down column); a neuron whose gate already
  *                  makes the activation zero skips reading its up row and down column, one whose
@@ -318,7 +319,7 @@ static SF_INLINE void matvec_impl(const void *W, const float *scales, const floa
                                    const float *x, const int8_t *q, const float *d, int64_t nx, float *y, int nthreads) {
     const char *base = (const char *)W;
     int64_t row_bytes = cols * ELEM_SIZE[dtype], blocks = (rows + 3) / 4, nb = q8_blocks(cols);
-#pragma omp parallel for schedule(dynamic, 16) num_threads(threads_for(nthreads, rows))
+#pragma omp parallel for schedule(guided) num_threads(threads_for(nthreads, rows))
     for (int64_t blk = 0; blk < blocks; blk++) {
         int64_t r0 = blk * 4;
         if (nx == 1 && r0 + 4 <= rows) {
@@ -370,18 +371,78 @@ int sf_matvec(const void *W, const float *scales, const float *bias, int dtype, 
     return 0;
 }
 
-/* Predictor (no biases): z = relu(fc1 x) [rank], score = fc2 z [I], weights of `dtype` (int8: with per-row
- * scales s1, s2); writes the ids with score >= threshold to out (ascending) and returns their count.
- * scratch: float [rank + I]. */
-int64_t sf_predict(const void *fc1, const float *s1, const void *fc2, const float *s2, int dtype, int64_t rank, int64_t hidden,
-                   int64_t inter, const float *x, float threshold, int64_t *out, float *scratch, int nthreads) {
+/* Predictor (no biases): z = relu(fc1 x) [rank], score = s2 * sum over r with z[r] > 0 of z[r] * fc2t[r, :] [I],
+ * weights of `dtype` (int8: fc1 with per-row scales s1, fc2t with one scale per neuron s2, applied once to each
+ * score; float dtypes: s1 = s2 = NULL); writes the ids with score >= threshold to out (ascending) and returns
+ * their count. fc2 comes transposed, [rank, I]: each thread streams long rows over its own range of neurons (one
+ * block of 32, cache-line aligned, or more), and the rows of hidden units relu zeroed are not read at all; as
+ * [I, rank] its rows were as short as the rank (~128 values) and every one was read (docs/runtime.md "Kernels").
+ * One parallel region: fc1's rows, then the list of live units, then the score ranges. scratch: float [rank + I]. */
+static SF_INLINE int64_t predict_impl(const void *fc1, const float *s1, const void *fc2t, const float *s2, const int dtype, int64_t rank,
+                                      int64_t hidden, int64_t inter, const float *x, float threshold, int64_t *out, float *scratch,
+                                      int nthreads) {
     float *z = scratch, *score = scratch + rank;
-    sf_matvec(fc1, s1, NULL, dtype, rank, hidden, x, 1, z, nthreads);
-    for (int64_t r = 0; r < rank; r++) z[r] = z[r] > 0.0f ? z[r] : 0.0f;
-    sf_matvec(fc2, s2, NULL, dtype, inter, rank, z, 1, score, nthreads);
+    int8_t xq[dtype == SF_I8 ? hidden : 1];
+    float xd[dtype == SF_I8 ? q8_blocks(hidden) : 1], a[rank + 4];
+    int64_t live[rank + 4], nl = 0;
+    if (dtype == SF_I8) quantize_q8(x, hidden, xq, xd);
+    const int64_t es = ELEM_SIZE[dtype], in_bytes = hidden * es, row_bytes = inter * es, blocks = (rank + 3) / 4;
+    const int nt = threads_for(nthreads, inter);
+    const int64_t seg = ((inter + nt - 1) / nt + QK - 1) / QK * QK;  /* neurons per thread, whole blocks of 32 */
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(guided)
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            int64_t r0 = blk * 4;
+            if (r0 + 4 <= rank) {
+                const char *w = (const char *)fc1 + r0 * in_bytes, *nw = w + 4 * in_bytes;
+                const char *r[4] = {w, w + in_bytes, w + 2 * in_bytes, w + 3 * in_bytes}, *next[4] = {nw, nw + in_bytes, nw + 2 * in_bytes, nw + 3 * in_bytes};
+                float o[4];
+                dot4_x(r, x, xq, xd, hidden, dtype, o, r0 + 8 <= rank ? next : NULL);
+                for (int k = 0; k < 4; k++) z[r0 + k] = s1 ? s1[r0 + k] * o[k] : o[k];
+            } else {
+                for (int64_t k = r0; k < rank; k++) {
+                    float o = dot_x((const char *)fc1 + k * in_bytes, x, xq, xd, hidden, dtype);
+                    z[k] = s1 ? s1[k] * o : o;
+                }
+            }
+        }
+#pragma omp single
+        for (int64_t r = 0; r < rank; r++)
+            if (z[r] > 0.0f) a[nl] = z[r], live[nl++] = r;
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        int64_t c0 = t * seg, c1 = c0 + seg < inter ? c0 + seg : inter;
+        if (c0 < c1) {
+            float *y = score + c0;
+            const int64_t m = c1 - c0;
+            const char *base = (const char *)fc2t + c0 * es, *r[4], *next[4];
+            memset(y, 0, sizeof(float) * m);
+            int64_t k = 0;
+            for (; k + 4 <= nl; k += 4) {
+                for (int j = 0; j < 4; j++) r[j] = base + live[k + j] * row_bytes;
+                if (k + 8 <= nl)
+                    for (int j = 0; j < 4; j++) next[j] = base + live[k + 4 + j] * row_bytes;
+                axpy4(a + k, r[0], r[1], r[2], r[3], y, m, dtype, k + 8 <= nl ? next : NULL);
+            }
+            for (; k < nl; k++) axpy(a[k], base + live[k] * row_bytes, y, m, dtype);
+            if (s2)
+                for (int64_t i = 0; i < m; i++) y[i] *= s2[c0 + i];
+        }
+    }
     int64_t n = 0;
     for (int64_t i = 0; i < inter; i++)
         if (score[i] >= threshold) out[n++] = i;
+    return n;
+}
+
+int64_t sf_predict(const void *fc1, const float *s1, const void *fc2t, const float *s2, int dtype, int64_t rank, int64_t hidden,
+                   int64_t inter, const float *x, float threshold, int64_t *out, float *scratch, int nthreads) {
+    int64_t n = 0;
+#define SF_PREDICT(DT) n = predict_impl(fc1, s1, fc2t, s2, DT, rank, hidden, inter, x, threshold, out, scratch, nthreads)
+    SF_DISPATCH(SF_PREDICT)
     return n;
 }
 
@@ -424,7 +485,7 @@ static SF_INLINE void block_rows(const char *base, int64_t bundle_bytes, int64_t
  * Three passes, each over a list known before it starts, so every pass prefetches the rows of its next block
  * while computing the current one: (1) every slot's gate row; (2) the up rows of the neurons whose gate does
  * not already zero the activation; (3) the down columns of the neurons that fired, accumulated per thread
- * and summed into y. A single pass that decided up and down per block of 4 waited on memory twice per block. */
+ * and the threads' sums added to y in thread order (deterministic for a thread count). A single pass that decided up and down per block of 4 waited on memory twice per block. */
 static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, const float *channels, const int dtype, int64_t hidden, const int64_t *slots,
                                        int64_t n, const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts,
                                        int nthreads) {
@@ -434,18 +495,19 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
     float *g = malloc(sizeof(float) * (n + 4)), *h = malloc(sizeof(float) * (n + 4));
     int64_t *live = malloc(sizeof(int64_t) * (n + 4)), *fired = malloc(sizeof(int64_t) * (n + 4));
     int64_t nl = 0, nf = 0;
-    if (!g || !h || !live || !fired) {
-        free(g), free(h), free(live), free(fired);
+    int nt = threads_for(nthreads, n);
+    float *part = malloc(sizeof(float) * (size_t)(nt * hidden));  /* per-thread sums of down columns */
+    if (!g || !h || !live || !fired || !part) {
+        free(g), free(h), free(live), free(fired), free(part);
         return -1;
     }
     int8_t xq[dtype == SF_I8 ? hidden : 1];  /* int8 rows: x quantized once for both dot passes */
     float xd[dtype == SF_I8 ? q8_blocks(hidden) : 1];
     if (dtype == SF_I8) quantize_q8(x, hidden, xq, xd);
-    int nt = threads_for(nthreads, n);
 #pragma omp parallel num_threads(nt)
     {
         const char *r[4], *next[4];
-#pragma omp for schedule(dynamic, 8) /* dynamic: on a shared machine a descheduled thread's work moves to the others */
+#pragma omp for schedule(guided) /* guided: long runs of neighbouring blocks per thread (each block prefetches the next), and on a shared machine a descheduled thread's later, smaller chunks move to the others */
         for (int64_t k0 = 0; k0 < n; k0 += 4) {
             float d[4];
             block_rows(base, bundle_bytes, 0, slots, NULL, k0, n, r);
@@ -456,7 +518,7 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
 #pragma omp single
         for (int64_t k = 0; k < n; k++)
             if (!gate_kills(act, g[k], threshold)) live[nl++] = k;
-#pragma omp for schedule(dynamic, 8)
+#pragma omp for schedule(guided)
         for (int64_t k0 = 0; k0 < nl; k0 += 4) {
             float u[4];
             block_rows(base, bundle_bytes, row_bytes, slots, live, k0, nl, r);
@@ -471,29 +533,37 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
 #pragma omp single
         for (int64_t j = 0; j < nl; j++)
             if (h[j] != 0.0f) h[nf] = h[j], fired[nf++] = live[j];  /* compacted in place: nf <= j */
-        float acc[hidden];
+        /* down columns: a fixed share of the fired list per thread (static), each thread's sum in its own row of
+         * `part`, the rows added in thread order: the same sums in the same order on every run. With the int8
+         * kernels a last-bit difference in y could move an input's int8 rounding in the next layer, and greedy
+         * decodes of the same prompt differed from run to run (they did with the guided loop and a critical
+         * section here). */
+        int t = 0, team = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num(), team = omp_get_num_threads();
+#endif
+        float *acc = part + (int64_t)t * hidden;
         memset(acc, 0, sizeof(float) * hidden);
-        int any = 0;
-#pragma omp for schedule(dynamic, 8)
+#pragma omp for schedule(static)
         for (int64_t k0 = 0; k0 < nf; k0 += 4) {
             float a[4];
             for (int j = 0; j < 4; j++) a[j] = k0 + j < nf ? h[k0 + j] : 0.0f;
             block_rows(base, bundle_bytes, 2 * row_bytes, slots, fired, k0, nf, r);
             if (k0 + 4 < nf) block_rows(base, bundle_bytes, 2 * row_bytes, slots, fired, k0 + 4, nf, next);
             axpy4(a, r[0], r[1], r[2], r[3], acc, hidden, dtype, k0 + 4 < nf ? next : NULL);
-            any = 1;
         }
-        if (any) {
-#pragma omp critical
-            if (channels)
-                for (int64_t k = 0; k < hidden; k++) y[k] += acc[k] * channels[k];
-            else
-                for (int64_t k = 0; k < hidden; k++) y[k] += acc[k];
+        if (nf > 0) {
+#pragma omp for schedule(static)
+            for (int64_t k = 0; k < hidden; k++) {
+                float sum = part[k];
+                for (int u = 1; u < team; u++) sum += part[(int64_t)u * hidden + k];
+                y[k] += channels ? sum * channels[k] : sum;
+            }
         }
     }
     counts[0] += nl;
     counts[1] += nf;
-    free(g), free(h), free(live), free(fired);
+    free(g), free(h), free(live), free(fired), free(part);
     return 0;
 }
 
