@@ -24,22 +24,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_CKPT, markdown_table, median, setup, write_results  # noqa: E402
 
 from sparseforge.data import pretrain_prompt  # noqa: E402
+from sparseforge.runtime.weights import WEIGHT_DTYPES  # noqa: E402
 from decode import HFGenerate  # noqa: E402
 
 
 class Tiered:
     """The sparse engine over a neuron store for one plan (None: fully resident, no store)."""
 
-    def __init__(self, ckpt, plan, context, threads, dtype):
+    def __init__(self, ckpt, plan, context, threads, dtype, predictor_dtype=None):
         from sparseforge.runtime.engine import Engine
         from sparseforge.runtime.store import tiered_units
 
         self.plan = plan
         self.store = None if plan is None else tiered_units(ckpt, plan, dtype, context=context, progress=False)
-        self.engine = Engine.load(ckpt, mode="sparse", weight_dtype=dtype, context=context, threads=threads, units=self.store, progress=False)
+        self.engine = Engine.load(ckpt, mode="sparse", weight_dtype=dtype, context=context, threads=threads, units=self.store, progress=False,
+                                  predictor_dtype=predictor_dtype)  # fmt: skip
         budget = plan["fast_memory"] if plan else None  # the plan's --fast-memory text, e.g. "25%"
         where = "resident" if budget is None else f"{budget} MLP resident"
-        self.name = f"sparseforge sparse {dtype}, {where}"
+        self.name = f"sparseforge sparse {dtype}{f' ({predictor_dtype} predictors)' if predictor_dtype else ''}, {where}"
         self.budget = budget
         self.resident = self.store.stats()["resident_bytes"] if self.store else None
 
@@ -129,8 +131,10 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (real text)")
     p.add_argument("--new-tokens", type=int, default=48, help="tokens per sparseforge run")
     p.add_argument("--hf-new-tokens", type=int, default=6, help="tokens per HF offload run")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int8"],
+    p.add_argument("--dtype", default="float32", choices=list(WEIGHT_DTYPES),
                    help="weight dtype of the sparseforge engines and their bundle files (HF offload stays float32, at the float32 plan's budget)")
+    p.add_argument("--predictor-dtype", choices=list(WEIGHT_DTYPES), default=None,
+                   help="dtype of the engines' predictors (default: --dtype; the plans still reserve their stored float32 bytes)")
     p.add_argument("--context", type=int, default=2048, help="context the plans reserve KV cache for")
     p.add_argument("--reps", type=int, default=3, help="repetitions (engines alternate inside each)")
     p.add_argument("--out", default=None, help="results name (default budget-t<threads>, budget-<dtype>-t<threads> for other dtypes)")
@@ -138,8 +142,7 @@ def main() -> None:
     env, bandwidth = setup(args.threads)
     ckpt = Path(args.ckpt)
     plans = {b: make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype=args.dtype)) for b in args.budgets}
-    contestants = [Tiered(ckpt, None, args.context, args.threads, args.dtype)]
-    contestants += [Tiered(ckpt, plans[b], args.context, args.threads, args.dtype) for b in args.budgets]
+    contestants = [Tiered(ckpt, p, args.context, args.threads, args.dtype, args.predictor_dtype) for p in [None, *(plans[b] for b in args.budgets)]]
     for b in args.hf_budgets:
         contestants.append(Offload(ckpt, make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype="float32"))))
     from transformers import AutoTokenizer
@@ -179,7 +182,7 @@ def main() -> None:
         row["vs_hf_offload"] = row["decode_tps"] / hf["decode_tps"] if hf and not row["engine"].startswith("HF") else None
     for c in contestants:
         c.close()
-    data = {"command": "python " + " ".join(sys.argv), "dtype": args.dtype, "environment": env, "bandwidth": bandwidth, "disk_read_gbs": disk, "rows": rows,
+    data = {"command": "python " + " ".join(sys.argv), "dtype": args.dtype, "predictor_dtype": args.predictor_dtype, "environment": env, "bandwidth": bandwidth, "disk_read_gbs": disk, "rows": rows,
             "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "hf_new_tokens": args.hf_new_tokens, "reps": args.reps}  # fmt: skip
     cols = [("engine", "engine", ""), ("budget_bytes", "budget bytes", ","), ("decode_tps", "decode tok/s", ".2f"), ("vs_resident", "÷ resident", ".2f"),
             ("vs_hf_offload", "÷ HF offload", ".1f"), ("hit_rate", "hit rate", ".3f"), ("expected_hit_rate", "plan's expected hit rate", ".3f"),
