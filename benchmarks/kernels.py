@@ -5,9 +5,10 @@
 1. Streaming matvec: `sf_matvec` on lm_head-shaped matrices ([49152, 576]) of each dtype, six different matrices
    used round robin so every call reads its weights from DRAM (one matrix alone, 28-113 MB, partly stays in the
    last-level cache and flatters the kernel), median of --reps calls: GB/s of weights read and GMAC/s.
-2. Decode breakdown: the dReLU SmolLM2 checkpoint decoded greedily in each engine mode and weight dtype, every
-   native call and the lm_head timed per token (ms/token, median token time over --new-tokens steps). "MLP" is the
-   sparse MLP kernel, or for the dense mode its gate_up and down matvecs and activation.
+2. Decode breakdown: the dReLU SmolLM2 checkpoint decoded greedily in each engine mode and weight dtype, the
+   attention blocks, predictors and MLPs (timed inside the one-call decode step, runtime/decode.py LeanStep) and
+   the lm_head per token (ms/token, median token time over --new-tokens steps). "MLP" is the sparse MLP kernel, or
+   for the dense mode its gate_up and down matvecs and activation.
 """
 
 import argparse
@@ -71,19 +72,20 @@ def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens
     for name, fn in saved.items():
         setattr(kernels, name, Timed(fn, name, totals))
     engine.weights.lm_head = Timed(engine.weights.lm_head, "lm_head", totals)
-    if engine._row.lean is not None:  # the lean loop calls the library itself: its predictor and MLP calls (dense: matvecs + activation)
-        names = {"sf_predict": "predict_native", "sf_sparse_mlp": "sparse_mlp_native", "sf_matvec": "sparse_mlp_native", "sf_gated_act": "sparse_mlp_native"}
-        lean_lib = engine._row.lean.lib
-        engine._row.lean.lib = type("Lib", (), {n: Timed(getattr(lean_lib, n), label, totals) for n, label in names.items()})()
+    lean = engine._row.lean  # one native call per step (sf_decode_layers), which times its parts itself
     try:
         cache = engine.new_cache(1)
         engine.forward(torch.randint(0, engine.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0)), cache)
         token, steps = 1, []
         totals.clear()
+        before = list(lean.seconds) if lean else None
         for _ in range(new_tokens):
             start = time.perf_counter()
             token = int(engine.forward(torch.tensor([[token]]), cache)[0, -1].argmax())
             steps.append(time.perf_counter() - start)
+        if lean:
+            for name, a, b in zip(("sf_attention_decode", "predict_native", "sparse_mlp_native"), before, lean.seconds):
+                totals[name] += b - a
     finally:
         for name, fn in saved.items():
             setattr(kernels, name, fn)

@@ -46,6 +46,7 @@ _SIGNATURES = {
     "sf_gated_act": (_i64, [_p, _i64, _int, _f32, _p]),
     "sf_attention_decode": (None, [_p, _p, _p, _p, _f32, _i64, _p, _p, _p, _p, _p, _p, _int, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _int]),
     "sf_rms_norm": (None, [_p, _p, _f32, _i64, _p]),
+    "sf_decode_layers": (_int, [_p, _i64, _p, _p, _p, _p, _f32, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _int]),
     "sf_has_avx2": (_int, []),
     "sf_has_openmp": (_int, []),
 }

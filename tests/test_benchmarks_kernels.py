@@ -1,5 +1,5 @@
-"""benchmarks/kernels.py's decode breakdown times the calls the engine really makes (the lean decode loop calls
-the library itself), so no mode's MLP or predictor time hides in "other"."""
+"""benchmarks/kernels.py's decode breakdown times the calls the engine really makes (the one-call decode step
+times its own parts), so no mode's MLP or predictor time hides in "other"."""
 
 from pathlib import Path
 

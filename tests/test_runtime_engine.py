@@ -294,7 +294,7 @@ def test_custom_units_factory_gives_the_resident_result(ckpts, family, mode):
 @pytest.mark.parametrize("mode", ["sparse", "oracle", "dense"])
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_lean_decode_equals_the_general_path(ckpts, mode, dtype):
-    """The prepared per-layer kernel calls (runtime/decode.py LeanMLP) give the general path's logits and its
+    """The one-call decode step (runtime/decode.py LeanStep, sf_decode_layers) gives the general path's logits and its
     counters: neurons computed and fired, bytes touched, predictor time counted."""
     _, ckpt = ckpts["llama"]
     ids = _ids(1, 9, seed=3)

@@ -26,6 +26,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -650,3 +651,82 @@ void sf_attention_decode(float *x, float *out, const float *in_norm, const float
 
 /* out = rms_norm(x) * w for one row (the final norm before lm_head). */
 void sf_rms_norm(const float *x, const float *w, float eps, int64_t n, float *out) { rms_norm(x, w, eps, n, out); }
+
+/* ---- one decode step's layers in one call ----
+ * The per-layer arguments of a fully resident, single-unit model (runtime/decode.py builds them once at load,
+ * as ctypes.Structure SfLayer with these fields in this order). Per layer: the attention block, then the MLP
+ * added into x: dense (gate_up != NULL: sf_matvec gate_up, sf_gated_act, sf_matvec down with x as the bias) or
+ * the sparse kernel over `ids` (fc1 != NULL: the predictor's ids first, from the residual after attention; else
+ * `ids` holds every neuron). Calling this once per token instead of two or three ctypes calls per layer from
+ * Python took 0.3-0.6 ms off every token, 0.5 ms of an int8 token's 5.2 (docs/runtime.md "Kernels: one call per token"). */
+typedef struct {
+    const float *in_norm, *post_norm;
+    const void *qkv_w;
+    const float *qkv_s, *qkv_b;
+    const void *o_w;
+    const float *o_s, *o_b, *q_norm, *k_norm;
+    int64_t attn_dtype, window;
+    const void *gate_up;
+    const float *gate_up_s;
+    const void *down;
+    const float *down_s;
+    int64_t gate_up_dtype, down_dtype;
+    float *gu, *h;
+    const void *fc1;
+    const float *s1;
+    const void *fc2t;
+    const float *s2;
+    int64_t p_dtype, rank;
+    float *p_scratch;
+    int64_t *ids;
+    const void *bundles;
+    const float *b_scales, *channels;
+    int64_t b_dtype, inter, act;
+    float p_threshold, act_threshold;
+} sf_layer;
+
+static double seconds_now(void) {
+    struct timespec ts;
+    timespec_get(&ts, TIME_UTC);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Every layer of one decode step for one row at position pos, then out = rms_norm(x) * final_norm (the lm_head's
+ * input). k_cache, v_cache: layer 0's [kv_heads, context, hd] of this row, layer i at + i * layer_stride floats.
+ * counts[0..1]: the sparse kernel's up rows and down columns read (added to); stats[0] += neurons computed by the
+ * sparse kernel, stats[1] += neurons the dense activation fired; seconds[0..2] += wall time in attention blocks,
+ * predictors and MLPs. Returns 0, or -1 when the sparse kernel could not allocate its lists (x is then partly
+ * updated: the step must be discarded). */
+int sf_decode_layers(const sf_layer *layers, int64_t n_layers, float *x, float *xn, const float *final_norm, float *out, float eps,
+                     int64_t hidden, const float *cos, const float *sin, float *k_cache, float *v_cache, int64_t layer_stride,
+                     int64_t context, int64_t pos, int64_t nh, int64_t kvh, int64_t hd, float *scratch, int64_t *counts, int64_t *stats,
+                     double *seconds, int nthreads) {
+    for (int64_t i = 0; i < n_layers; i++) {
+        const sf_layer *L = layers + i;
+        double t0 = seconds_now();
+        sf_attention_decode(x, xn, L->in_norm, L->post_norm, eps, hidden, L->qkv_w, L->qkv_s, L->qkv_b, L->o_w, L->o_s, L->o_b,
+                            (int)L->attn_dtype, L->q_norm, L->k_norm, cos, sin, k_cache + i * layer_stride, v_cache + i * layer_stride,
+                            context, pos, L->window, nh, kvh, hd, scratch, nthreads);
+        double t1 = seconds_now(), t2 = t1;
+        if (L->gate_up) {
+            sf_matvec(L->gate_up, L->gate_up_s, NULL, (int)L->gate_up_dtype, 2 * L->inter, hidden, xn, 1, L->gu, nthreads);
+            stats[1] += sf_gated_act(L->gu, L->inter, (int)L->act, L->act_threshold, L->h);
+            sf_matvec(L->down, L->down_s, x, (int)L->down_dtype, hidden, L->inter, L->h, 1, x, nthreads);
+        } else {
+            int64_t n = L->inter;
+            if (L->fc1) {
+                n = sf_predict(L->fc1, L->s1, L->fc2t, L->s2, (int)L->p_dtype, L->rank, hidden, L->inter, x, L->p_threshold, L->ids,
+                               L->p_scratch, nthreads);
+                t2 = seconds_now();
+            }
+            if (sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, n, xn, (int)L->act, L->act_threshold,
+                              1.0f, x, counts, nthreads))
+                return -1;
+            stats[0] += n;
+        }
+        double t3 = seconds_now();
+        seconds[0] += t1 - t0, seconds[1] += t2 - t1, seconds[2] += t3 - t2;
+    }
+    rms_norm(x, final_norm, eps, hidden, out);
+    return 0;
+}
