@@ -2,7 +2,7 @@
 
 import time
 
-from sparseforge.cli_options import HelpFormatter, add_text_stream_options, check_positive, text_stream
+from sparseforge.cli_options import HelpFormatter, add_text_stream_options, check_positive, load_for_stream, text_stream
 
 
 def _data_options(p, tokens: int, what: str) -> None:
@@ -100,12 +100,8 @@ def register(subparsers) -> None:
 def _setup(args):
     """Threads, files, the sparse model and its token-window stream."""
     from sparseforge.errors import SparseforgeError
-    from sparseforge.sources import load_model
 
-    check_positive(tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size, threads=args.threads)
-    model, tokenizer, source = load_model(args.ckpt, dtype="float32", device=args.device)
-    if source.kind != "sparse":
-        raise SparseforgeError(f"{args.ckpt!r} is not a sparse checkpoint; convert it first: sparseforge convert {args.ckpt} --out DIR")
+    model, tokenizer, source = load_for_stream(args, args.ckpt, sparse_for=f"`sparseforge {args.command}`")
     activation = model.config.sparsity["activation"]
     if activation == "silu":
         raise SparseforgeError(f"{args.ckpt} uses silu, which has no exact zeros to predict; convert with --activation drelu")

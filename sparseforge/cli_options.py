@@ -1,5 +1,5 @@
 """Options shared by the verbs: the help formatter of every verb, and the text-stream options of the verbs
-that stream real text through a model (measure, profile, predictors)."""
+that stream real text through a model (measure, threshold, profile, predictors) with their model load."""
 
 import argparse
 
@@ -36,11 +36,26 @@ def check_positive(**values) -> None:
             raise SparseforgeError(f"--{name.replace('_', '-')} must be positive, got {value}")
 
 
+def load_for_stream(args, path: str, sparse_for: str | None = None):
+    """(model, tokenizer, source) of `path` in float32 on --device, after checking the stream's numeric options
+    (before the slow load). sparse_for: the verb that needs a sparse checkpoint; a dense model is then an error
+    that names the conversion."""
+    from sparseforge.families import is_sparse
+    from sparseforge.sources import load_model
+
+    check_positive(tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size, threads=args.threads)
+    model, tokenizer, source = load_model(path, dtype="float32", device=args.device)
+    if sparse_for and not is_sparse(model.config):
+        raise SparseforgeError(f"{path} is not a sparse checkpoint, which {sparse_for} needs; convert it first: "
+                               f"sparseforge convert {path} --activation drelu --out DIR")  # fmt: skip
+    return model, tokenizer, source
+
+
 def text_stream(args, tokenizer):
     """The options' text as token windows: (windows iterator, the data patterns used).
 
-    Applies --threads and expands --data (an error if nothing matches); callers run check_positive on the
-    numeric options first, before loading a model."""
+    Applies --threads and expands --data (an error if nothing matches); callers check the numeric options first,
+    before loading a model (load_for_stream does)."""
     import torch
 
     from sparseforge.data import expand, interleave_documents, pack_tokens

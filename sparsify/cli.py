@@ -3,7 +3,7 @@
 import time
 from pathlib import Path
 
-from sparseforge.cli_options import HelpFormatter, add_text_stream_options, check_positive, text_stream
+from sparseforge.cli_options import HelpFormatter, add_text_stream_options, load_for_stream, text_stream
 
 ACTIVATION_HELP = (
     "drelu: relu(gate)*relu(up); relu: relu(gate)*up; silu: unchanged SwiGLU (parity); "
@@ -87,12 +87,10 @@ def measure_command(args) -> int:
     from sparseforge.checkpoint import write_artifact
     from sparseforge.errors import SparseforgeError
     from sparseforge.families import is_sparse
-    from sparseforge.sources import load_model
     from sparseforge.sparsify.convert import convert_model, parse_thresholds
     from sparseforge.sparsify.measure import SPARSITY_FILE_VERSION, format_table, measure_sparsity
 
-    check_positive(tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size, threads=args.threads)
-    model, tokenizer, source = load_model(args.model, dtype="float32", device=args.device)
+    model, tokenizer, source = load_for_stream(args, args.model)
     sparse_ckpt = is_sparse(model.config)
     if sparse_ckpt and (args.activation or args.threshold):
         raise SparseforgeError(f"{args.model} is already a sparse checkpoint ({model.config.sparsity['activation']}); drop --activation/--threshold")
@@ -116,20 +114,15 @@ def measure_command(args) -> int:
 def threshold_command(args) -> int:
     from sparseforge.checkpoint import carry_source, check_output, save_sparse, write_artifact
     from sparseforge.errors import SparseforgeError
-    from sparseforge.families import is_sparse
-    from sparseforge.sources import load_model
     from sparseforge.sparsify.convert import model_card
     from sparseforge.sparsify.threshold import THRESHOLDS_FILE_VERSION, apply_thresholds, calibrate_thresholds, check_target_zeros, format_table
 
-    check_positive(tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size, threads=args.threads)
     check_target_zeros(args.target_zeros)  # before the (slow) model load
     check_output(args.out, args.force)
     if Path(args.out).resolve() == Path(args.ckpt).resolve():
         raise SparseforgeError(f"--out {args.out!r} is the input checkpoint; write the thresholded model to a new directory")
     start = time.perf_counter()
-    model, tokenizer, source = load_model(args.ckpt, dtype="float32", device=args.device)
-    if not is_sparse(model.config):
-        raise SparseforgeError(f"{args.ckpt} is not a sparse checkpoint; convert it first (sparseforge convert MODEL --activation drelu --out DIR)")
+    model, tokenizer, _ = load_for_stream(args, args.ckpt, sparse_for="`sparseforge threshold`")
     windows, patterns = text_stream(args, tokenizer)
     report = calibrate_thresholds(model, windows, args.tokens, args.target_zeros, args.batch_size, progress=not args.no_progress)
     apply_thresholds(model, report["thresholds"])
