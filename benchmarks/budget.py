@@ -134,14 +134,15 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=list(WEIGHT_DTYPES),
                    help="weight dtype of the sparseforge engines and their bundle files (HF offload stays float32, at the float32 plan's budget)")
     p.add_argument("--predictor-dtype", choices=list(WEIGHT_DTYPES), default=None,
-                   help="dtype of the engines' predictors (default: --dtype; the plans still reserve their stored float32 bytes)")
+                   help="dtype of the engines' predictors, and of the plans' reserve for them (default: --dtype)")
     p.add_argument("--context", type=int, default=2048, help="context the plans reserve KV cache for")
     p.add_argument("--reps", type=int, default=3, help="repetitions (engines alternate inside each)")
     p.add_argument("--out", default=None, help="results name (default budget-t<threads>, budget-<dtype>-t<threads> for other dtypes)")
     args = p.parse_args()
     env, bandwidth = setup(args.threads)
     ckpt = Path(args.ckpt)
-    plans = {b: make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype=args.dtype)) for b in args.budgets}
+    plans = {b: make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype=args.dtype, predictor_dtype=args.predictor_dtype))
+             for b in args.budgets}  # fmt: skip
     contestants = [Tiered(ckpt, p, args.context, args.threads, args.dtype, args.predictor_dtype) for p in [None, *(plans[b] for b in args.budgets)]]
     for b in args.hf_budgets:
         contestants.append(Offload(ckpt, make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype="float32"))))

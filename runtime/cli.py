@@ -32,6 +32,8 @@ def register_plan(subparsers) -> None:
     p.add_argument("--context", type=int, default=2048, help="tokens of KV cache to reserve")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
                    help="weight dtype in fast memory (int8: int8 weights with float32 row scales, float32 KV cache); default: as stored")  # fmt: skip
+    p.add_argument("--predictor-dtype", choices=DTYPE_CHOICES, default=None,
+                   help="dtype of the predictors the engine will run (generate --predictor-dtype); default: --dtype, as the engine's default")  # fmt: skip
     p.add_argument("--out", default="plan.json", help="file name of the plan inside the checkpoint, e.g. plan-25pct.json")
     p.add_argument("--powerinfer-gpu-index", metavar="DIR", default=None,
                    help="also write PowerInfer's GPU index (DIR/model.powerinfer.gguf.generated.gpuidx); dense models only")  # fmt: skip
@@ -42,7 +44,7 @@ def register_plan(subparsers) -> None:
 def plan_command(args) -> int:
     from sparseforge.runtime.plan import PlanRequest, artifact_name, format_plan, make_plan, parse_size, write_plan, write_powerinfer_gpu_index
 
-    request = PlanRequest(parse_size(args.fast_memory), context=args.context, dtype=args.dtype)
+    request = PlanRequest(parse_size(args.fast_memory), context=args.context, dtype=args.dtype, predictor_dtype=args.predictor_dtype)
     artifact_name(args.out)  # a bad --out fails before any work
     plan = make_plan(args.ckpt, request)
     if not args.quiet:
@@ -143,7 +145,8 @@ def open_engine(args):
         if args.fast_memory is not None:
             from sparseforge.runtime.store import tiered_units
 
-            units = stack.enter_context(tiered_units(args.ckpt, args.fast_memory, args.weight_dtype, context=args.context, progress=not args.no_progress))
+            units = stack.enter_context(tiered_units(args.ckpt, args.fast_memory, args.weight_dtype, context=args.context,
+                                                     predictor_dtype=args.predictor_dtype, progress=not args.no_progress))  # fmt: skip
         yield Engine.load(args.ckpt, mode=args.mode, weight_dtype=args.weight_dtype, context=args.context, threads=args.threads,
                           units=units, progress=not args.no_progress, predictor_dtype=args.predictor_dtype)  # fmt: skip
 

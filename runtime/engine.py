@@ -122,6 +122,14 @@ class Engine:
             if not (ckpt / "predictors.json").is_file():
                 raise SparseforgeError(f"{ckpt} has no predictors (predictors.json); train them with `sparseforge predictors train {ckpt}` or use mode='oracle'/'dense'")
             predictors = load_unit_predictors(ckpt, predictor_dtype or weight_dtype)
+            plan = getattr(units, "plan", None)  # a neuron store's placement plan: its reserve must hold these predictors
+            need = sum(p.nbytes for p in predictors.values() if p is not None)
+            if plan is not None and need > plan["always_touched"]["predictors"]:
+                raise SparseforgeError(
+                    f"the plan reserves {plan['always_touched']['predictors']} B for predictors ({plan.get('predictor_dtype', 'float32')}), "
+                    f"the engine's {predictor_dtype or weight_dtype} predictors take {need} B; make the plan with --predictor-dtype "
+                    f"{predictor_dtype or weight_dtype} (or load the engine with the plan's predictor dtype)"
+                )
         reader = WeightReader(ckpt, weight_dtype)
         available = kernels.native() is not None
         if native and not available:

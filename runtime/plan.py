@@ -193,9 +193,9 @@ def stored_dtype(headers: dict[str, tuple[str, list[int]]]) -> str:
     raise SparseforgeError("the checkpoint has no MLP weights (mlp.gate_proj/up_proj/down_proj); is it a sparseforge checkpoint?")
 
 
-def reserve_bytes(ckpt: str | Path, shape: ModelShape, headers: dict, dtype: str, context: int) -> dict[str, int]:
+def reserve_bytes(ckpt: str | Path, shape: ModelShape, headers: dict, dtype: str, context: int, predictor_dtype: str) -> dict[str, int]:
     """Always-touched bytes by category (+ `total`): every non-MLP weight in `dtype`, the lm_head once if
-    tied, predictors.safetensors as stored, and the KV cache for `context` tokens."""
+    tied, the predictors in `predictor_dtype`, and the KV cache for `context` tokens."""
     cats = dict.fromkeys(("attention", "embeddings", "lm_head", "norms", "routers", "mlp_biases", "other"), 0)
     mlp_elements = 0
     for name, (_, dims) in headers.items():
@@ -211,28 +211,20 @@ def reserve_bytes(ckpt: str | Path, shape: ModelShape, headers: dict, dtype: str
             "the weights do not match the config"
         )
     cats["mlp_channel_scales"] = shape.layers * shape.experts * shape.hidden * 4 if dtype == "int8" else 0  # int8 down columns: [H] per unit
-    cats["predictors"] = predictor_bytes(ckpt)
+    cats["predictors"] = predictor_bytes(ckpt, predictor_dtype)
     cats["kv_cache"] = kv_cache_bytes(shape, context, dtype)
     cats["total"] = sum(cats.values())
     return cats
 
 
-def predictor_bytes(ckpt: str | Path) -> int:
-    """Tensor bytes of `ckpt/predictors.safetensors` as stored (float32), 0 when there are no predictors."""
+def predictor_bytes(ckpt: str | Path, dtype: str) -> int:
+    """Bytes of `ckpt/predictors.safetensors`'s matrices in `dtype` as the engine holds them (int8: plus one
+    float32 scale per row; runtime/weights.py load_unit_predictors), 0 when there are no predictors."""
     path = Path(ckpt) / "predictors.safetensors"
     if not path.is_file():
         return 0
-    total = 0
     with safe_open(str(path), framework="pt") as f:
-        for key in f.keys():
-            s = f.get_slice(key)
-            total += math.prod(s.get_shape()) * torch.empty(0, dtype=_torch_dtype(s.get_dtype())).element_size()
-    return total
-
-
-def _torch_dtype(st: str) -> torch.dtype:
-    return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-            "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}[st]  # fmt: skip
+        return sum(matrix_bytes(f.get_slice(key).get_shape(), dtype) for key in f.keys())
 
 
 # ---------------------------------------------------------------- the optimisation
@@ -346,6 +338,7 @@ class PlanRequest:
     fast_memory: FastMemory
     context: int = 2048
     dtype: str | None = None  # None: as the MLP weights are stored
+    predictor_dtype: str | None = None  # None: `dtype`, as the engine converts its predictors by default
 
 
 def _rate(hit: int, total: int) -> float | None:
@@ -361,8 +354,10 @@ def make_plan(ckpt: str | Path, request: PlanRequest) -> dict:
     shape = model_shape(ckpt)
     headers = weight_headers(ckpt)
     dtype = request.dtype or stored_dtype(headers)
-    if dtype not in DTYPES:
-        raise SparseforgeError(f"--dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    predictor_dtype = request.predictor_dtype or dtype
+    for flag, value in (("--dtype", dtype), ("--predictor-dtype", predictor_dtype)):
+        if value not in DTYPES:
+            raise SparseforgeError(f"{flag} {value!r} is not supported; use one of {', '.join(DTYPES)}")
     tensors, report = load_profile(ckpt)
     counts = tensors["counts"]  # [L, E, I]
     if tuple(counts.shape) != (shape.layers, shape.experts, shape.intermediate):
@@ -370,7 +365,7 @@ def make_plan(ckpt: str | Path, request: PlanRequest) -> dict:
             f"profile counts have shape {tuple(counts.shape)}, the model is [L, E, I] = "
             f"{(shape.layers, shape.experts, shape.intermediate)}; re-run sparseforge profile on this checkpoint"
         )
-    reserve = reserve_bytes(ckpt, shape, headers, dtype, request.context)
+    reserve = reserve_bytes(ckpt, shape, headers, dtype, request.context, predictor_dtype)
     per_neuron = neuron_bytes(shape.hidden, dtype)
     neurons = shape.layers * shape.experts * shape.intermediate
     mlp_total = neurons * per_neuron
@@ -412,6 +407,7 @@ def make_plan(ckpt: str | Path, request: PlanRequest) -> dict:
         "fast_memory": fm.text,
         "budget_bytes": budget,
         "dtype": dtype,
+        "predictor_dtype": predictor_dtype,
         "context": request.context,
         "always_touched": reserve,
         "bytes_per_neuron": per_neuron,

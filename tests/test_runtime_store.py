@@ -316,6 +316,23 @@ def test_plan_dtype_and_engine_dtype_must_match(llama):
         tiered_units(llama, _plan(llama, "25%"), "int8", progress=False)
 
 
+@pytest.mark.parametrize("weight_dtype,predictor_dtype", [("float32", None), ("int8", None), ("float32", "int8"), ("float16", "float32")])
+def test_plan_reserves_the_engines_predictors(llama, weight_dtype, predictor_dtype):
+    """The plan's predictor reserve is the bytes the engine's predictors take (default: in the weight dtype, as the
+    engine converts them); an engine whose predictors need more than its store's plan reserved is refused."""
+    from sparseforge.runtime.engine import Engine
+
+    plan = make_plan(llama, PlanRequest(parse_size("25%"), context=64, dtype=weight_dtype, predictor_dtype=predictor_dtype))
+    assert plan["predictor_dtype"] == (predictor_dtype or weight_dtype)
+    with tiered_units(llama, plan, weight_dtype, progress=False) as store:
+        engine = Engine.load(llama, mode="sparse", weight_dtype=weight_dtype, context=64, units=store, progress=False, predictor_dtype=predictor_dtype)
+        assert plan["always_touched"]["predictors"] == engine._predictor_bytes() > 0
+    small = make_plan(llama, PlanRequest(parse_size("25%"), context=64, dtype="float32", predictor_dtype="int8"))
+    with tiered_units(llama, small, "float32", progress=False) as store:
+        with pytest.raises(SparseforgeError, match="the plan reserves .* for predictors \\(int8\\), the engine's float32 predictors .* --predictor-dtype float32"):
+            Engine.load(llama, mode="sparse", weight_dtype="float32", context=64, units=store, progress=False)
+
+
 # ---------------------------------------------------------------- through the engine
 
 
