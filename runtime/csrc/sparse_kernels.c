@@ -18,7 +18,9 @@
  *                  up rows and down columns were read (so the engine counts the bytes it touched).
  *   sf_gated_act   the dense mode's activation of one row (gate and up from one stacked matvec)
  *   sf_attention_decode  a whole attention block for one row at one position (norms, qkv, RoPE, KV-cache
- *                  write, GQA attention, o projection, residual), so a decode step costs a few calls per layer.
+ *                  write, GQA attention, o projection, residual).
+ *   sf_decode_layers  every layer of one decode step (attention block, then predictor + sparse MLP, or the
+ *                  dense MLP) and the final norm in one call, from per-layer argument structs prepared at load.
  *
  * AVX2 + FMA + F16C intrinsics when the compiler targets them, a scalar fallback otherwise.
  */
