@@ -139,7 +139,7 @@ class LeanStep:
             L.inter = inter
             self.slots += inter
             self.row_bytes = row_bytes(unit)
-        self.stats = torch.zeros(2, dtype=torch.long)  # neurons the sparse kernel computed, neurons the dense activation fired
+        self.stats = (ctypes.c_int64 * 2)()  # per step: neurons the sparse kernel computed, neurons the dense activation fired
         self.seconds = (ctypes.c_double * 3)()  # attention, predictors, MLPs
 
     def step(self, cache: KVCache, pos: int) -> None:
@@ -147,21 +147,21 @@ class LeanStep:
         current counters (reset_stats replaces them)."""
         row, e, stats = self.row, self.engine, self.stats
         nh, kvh, hd = row.dims
-        stats.zero_()
+        stats[0] = stats[1] = 0
         predict_before = self.seconds[1]
         rc = self.lib.sf_decode_layers(
             self.layers, len(self.layers), row.x.data_ptr(), row.xn.data_ptr(), e.weights.final_norm.data_ptr(), row.xn.data_ptr(), row.eps,
             row.hidden, e.cos.data_ptr() + pos * row.row_bytes, e.sin.data_ptr() + pos * row.row_bytes, cache.k.data_ptr(), cache.v.data_ptr(),
-            cache.k.stride(0), cache.context, pos, nh, kvh, hd, row.scratch.data_ptr(), e._counters.row_counts.data_ptr(), stats.data_ptr(),
+            cache.k.stride(0), cache.context, pos, nh, kvh, hd, row.scratch.data_ptr(), e._counters.row_counts.data_ptr(), stats,
             self.seconds, self.threads,
         )  # fmt: skip
         if rc:
             raise MemoryError("sf_sparse_mlp could not allocate its lists in sf_decode_layers")
         c = e._counters
         if self.mode == "dense":
-            e._count(self.slots, self.slots, int(stats[1]), self.dense_bytes, True)
+            e._count(self.slots, self.slots, stats[1], self.dense_bytes, True)
             return
-        c.row_neurons += int(stats[0])
+        c.row_neurons += stats[0]
         c.neuron_slots += self.slots
         c.predictor_seconds += self.seconds[1] - predict_before
         if c.row_bytes == 0:

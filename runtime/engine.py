@@ -33,7 +33,7 @@ from sparseforge.runtime.decode import RowDecoder
 from sparseforge.runtime.forward import KVCache, attention, attention_shape, rms_norm, rope_tables, route
 from sparseforge.runtime.sampling import GenerationConfig, make_generator, sample
 from sparseforge.runtime.units import row_bytes
-from sparseforge.runtime.weights import WeightReader, load_unit_predictors, load_weights
+from sparseforge.runtime.weights import WeightReader, load_unit_predictors, load_weights, predictors_nbytes
 from sparseforge.sparsify.hf_code.modeling_sparseforge import GatedActivation
 
 MODES = ("sparse", "oracle", "dense")
@@ -121,14 +121,15 @@ class Engine:
         if mode == "sparse":
             if not (ckpt / "predictors.json").is_file():
                 raise SparseforgeError(f"{ckpt} has no predictors (predictors.json); train them with `sparseforge predictors train {ckpt}` or use mode='oracle'/'dense'")
-            predictors = load_unit_predictors(ckpt, predictor_dtype or weight_dtype)
+            predictor_dtype = predictor_dtype or weight_dtype
+            predictors = load_unit_predictors(ckpt, predictor_dtype)
             plan = getattr(units, "plan", None)  # a neuron store's placement plan: its reserve must hold these predictors
-            need = sum(p.nbytes for p in predictors.values() if p is not None)
+            need = predictors_nbytes(predictors)
             if plan is not None and need > plan["always_touched"]["predictors"]:
                 raise SparseforgeError(
                     f"the plan reserves {plan['always_touched']['predictors']} B for predictors ({plan.get('predictor_dtype', 'float32')}), "
-                    f"the engine's {predictor_dtype or weight_dtype} predictors take {need} B; make the plan with --predictor-dtype "
-                    f"{predictor_dtype or weight_dtype} (or load the engine with the plan's predictor dtype)"
+                    f"the engine's {predictor_dtype} predictors take {need} B; make the plan with --predictor-dtype {predictor_dtype} "
+                    "(or load the engine with the plan's predictor dtype)"
                 )
         reader = WeightReader(ckpt, weight_dtype)
         available = kernels.native() is not None
@@ -338,7 +339,7 @@ class Engine:
         return None if p is None else str(p.fc1[0].dtype).removeprefix("torch.")
 
     def _predictor_bytes(self) -> int:
-        return sum(p.nbytes for p in (self.predictors or {}).values() if p is not None)
+        return predictors_nbytes(self.predictors or {})
 
     def _kv_bytes(self, length: int) -> int:
         """KV-cache bytes one decode step reads and writes for one row at this length."""

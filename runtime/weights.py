@@ -215,6 +215,11 @@ class UnitPredictor:
         return sum(t.numel() * t.element_size() for pair in (self.fc1, self.fc2t) for t in pair if t is not None)
 
 
+def predictors_nbytes(predictors: dict) -> int:
+    """Bytes of a load_unit_predictors result (units without a predictor count 0)."""
+    return sum(p.nbytes for p in predictors.values() if p is not None)
+
+
 def load_unit_predictors(ckpt: str | Path, dtype: str) -> dict[tuple[int, int], UnitPredictor | None]:
     """The checkpoint's predictors per (layer, expert), converted to `dtype` (the engine's predictor dtype, by
     default its weight dtype) as `convert` does every matrix (float32: exactly the stored ones); None for a unit

@@ -317,12 +317,14 @@ static SF_INLINE void dot4_x(const char *const *r, const float *x, const int8_t 
 }
 
 /* y[b * rows + r] = scale[r] * dot(W[r], x[b]) (+ bias[r]) for b < nx. W: [rows, cols] row-major. For int8 W,
- * (q, d) are the nx rows of x quantized: q [nx, cols], d [nx, q8_blocks(cols)]. */
-static SF_INLINE void matvec_impl(const void *W, const float *scales, const float *bias, const int dtype, int64_t rows, int64_t cols,
-                                   const float *x, const int8_t *q, const float *d, int64_t nx, float *y, int nthreads) {
+ * (q, d) are the nx rows of x quantized: q [nx, cols], d [nx, q8_blocks(cols)]. The blocks of 4 rows are shared
+ * among the threads of the enclosing parallel region (matvec_impl opens one; sf_predict calls this inside its own);
+ * outside a region one thread does them all. */
+static SF_INLINE void matvec_rows(const void *W, const float *scales, const float *bias, const int dtype, int64_t rows, int64_t cols,
+                                  const float *x, const int8_t *q, const float *d, int64_t nx, float *y) {
     const char *base = (const char *)W;
     int64_t row_bytes = cols * ELEM_SIZE[dtype], blocks = (rows + 3) / 4, nb = q8_blocks(cols);
-#pragma omp parallel for schedule(guided) num_threads(threads_for(nthreads, rows))
+#pragma omp for schedule(guided)
     for (int64_t blk = 0; blk < blocks; blk++) {
         int64_t r0 = blk * 4;
         if (nx == 1 && r0 + 4 <= rows) {
@@ -340,6 +342,12 @@ static SF_INLINE void matvec_impl(const void *W, const float *scales, const floa
             for (int64_t j = 0; j < nx; j++) y[j * rows + r] = sc * dot_x(w, x + j * cols, q + j * cols, d + j * nb, cols, dtype) + b;
         }
     }
+}
+
+static SF_INLINE void matvec_impl(const void *W, const float *scales, const float *bias, const int dtype, int64_t rows, int64_t cols,
+                                   const float *x, const int8_t *q, const float *d, int64_t nx, float *y, int nthreads) {
+#pragma omp parallel num_threads(threads_for(nthreads, rows))
+    matvec_rows(W, scales, bias, dtype, rows, cols, x, q, d, nx, y);
 }
 
 /* one copy of each kernel per dtype, so the per-element dtype switch folds away at compile time */
@@ -389,27 +397,12 @@ static SF_INLINE int64_t predict_impl(const void *fc1, const float *s1, const vo
     float xd[dtype == SF_I8 ? q8_blocks(hidden) : 1], a[rank + 4];
     int64_t live[rank + 4], nl = 0;
     if (dtype == SF_I8) quantize_q8(x, hidden, xq, xd);
-    const int64_t es = ELEM_SIZE[dtype], in_bytes = hidden * es, row_bytes = inter * es, blocks = (rank + 3) / 4;
+    const int64_t es = ELEM_SIZE[dtype], row_bytes = inter * es;
     const int nt = threads_for(nthreads, inter);
     const int64_t seg = ((inter + nt - 1) / nt + QK - 1) / QK * QK;  /* neurons per thread, whole blocks of 32 */
 #pragma omp parallel num_threads(nt)
     {
-#pragma omp for schedule(guided)
-        for (int64_t blk = 0; blk < blocks; blk++) {
-            int64_t r0 = blk * 4;
-            if (r0 + 4 <= rank) {
-                const char *w = (const char *)fc1 + r0 * in_bytes, *nw = w + 4 * in_bytes;
-                const char *r[4] = {w, w + in_bytes, w + 2 * in_bytes, w + 3 * in_bytes}, *next[4] = {nw, nw + in_bytes, nw + 2 * in_bytes, nw + 3 * in_bytes};
-                float o[4];
-                dot4_x(r, x, xq, xd, hidden, dtype, o, r0 + 8 <= rank ? next : NULL);
-                for (int k = 0; k < 4; k++) z[r0 + k] = s1 ? s1[r0 + k] * o[k] : o[k];
-            } else {
-                for (int64_t k = r0; k < rank; k++) {
-                    float o = dot_x((const char *)fc1 + k * in_bytes, x, xq, xd, hidden, dtype);
-                    z[k] = s1 ? s1[k] * o : o;
-                }
-            }
-        }
+        matvec_rows(fc1, s1, NULL, dtype, rank, hidden, x, xq, xd, 1, z);
 #pragma omp single
         for (int64_t r = 0; r < rank; r++)
             if (z[r] > 0.0f) a[nl] = z[r], live[nl++] = r;
