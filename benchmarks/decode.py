@@ -60,11 +60,15 @@ def kv_bytes(ckpt: Path, position: int, elem: int) -> int:
 
 
 class Sparseforge:
-    def __init__(self, ckpt, mode, dtype, context, threads, predictor_dtype=None):
+    def __init__(self, ckpt, mode, dtype, context, threads, predictor_dtype=None, head_screen=True):
         from sparseforge.runtime.engine import Engine
 
-        self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False, predictor_dtype=predictor_dtype)
-        self.name, self.bytes = "sparseforge oracle (exact masks)" if mode == "oracle" else f"sparseforge {mode}", []
+        self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False,
+                                  predictor_dtype=predictor_dtype, head_screen=None if head_screen else False)  # fmt: skip
+        self.name = "sparseforge oracle (exact masks)" if mode == "oracle" else f"sparseforge {mode}"
+        if not head_screen and self.engine.weights.lm_head.weight.dtype != torch.int8:
+            self.name += " (full head)"
+        self.bytes = []
 
     def run(self, ids, n):
         from sparseforge.runtime.engine import GenerationConfig
@@ -260,7 +264,10 @@ def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list
     for prec in args.precisions:
         dtype, hf_dtype, gguf_type = PRECISIONS[prec]
         for mode in ("sparse", "oracle", "dense"):
-            out.append((prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None)))
+            out.append((prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, args.head != "full")))
+        if args.head == "both" and dtype != "int8":  # int8 heads have no screen
+            out += [(prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, False))
+                    for mode in ("sparse", "dense")]  # fmt: skip
         if hf_dtype is not None and not args.no_hf:
             elem = 4 if hf_dtype == torch.float32 else 2
             out.append((prec, HFGenerate(ckpt, hf_dtype, dense_bytes(ckpt, elem) + kv_bytes(ckpt, position, elem))))
@@ -270,6 +277,12 @@ def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list
         out += [(prec, PowerInfer(Path(args.powerinfer), path, label, text, context, args.threads)) for label, path in ggufs if POWERINFER_TYPES[label][0] == prec]
     if args.predictor_dtype:
         notes.append(f"sparseforge sparse: {args.predictor_dtype} predictors (--predictor-dtype)")
+    if args.head != "full":
+        notes.append("sparseforge rows: greedy steps take the token through the lm_head's int8 screen (runtime/head.py; float heads), "
+                     "rows marked (full head) read the whole head" if args.head == "both" else
+                     "sparseforge rows: greedy steps take the token through the lm_head's int8 screen (runtime/head.py; float heads)")  # fmt: skip
+    else:
+        notes.append("sparseforge rows: every step reads the whole lm_head (--head full)")
     if not args.powerinfer:
         notes.append("PowerInfer: skipped (no --powerinfer binary)")
     notes += [f"PowerInfer {label}: skipped (its precision block {POWERINFER_TYPES[label][0]} is not in --precisions)" for label, _ in ggufs
@@ -289,6 +302,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3, help="repetitions (engines alternate inside each)")
     p.add_argument("--predictor-dtype", choices=list(WEIGHT_DTYPES), default=None,
                    help="dtype of the sparse rows' predictors (default: each row's weight dtype)")
+    p.add_argument("--head", choices=("screen", "full", "both"), default="screen",
+                   help="sparseforge's greedy steps: through the lm_head's int8 screen (same tokens, runtime/head.py), reading the "
+                   "whole head, or both (extra sparse and dense rows marked '(full head)')")  # fmt: skip
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
     p.add_argument("--llama-bench", default=None, metavar="PATH", help="a llama-bench binary to use instead of llama-cpp-python")

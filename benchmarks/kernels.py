@@ -7,8 +7,9 @@
    last-level cache and flatters the kernel), median of --reps calls: GB/s of weights read and GMAC/s.
 2. Decode breakdown: the dReLU SmolLM2 checkpoint decoded greedily in each engine mode and weight dtype, the
    attention blocks, predictors and MLPs (timed inside the one-call decode step, runtime/decode.py LeanStep) and
-   the lm_head per token (ms/token, median token time over --new-tokens steps). "MLP" is the sparse MLP kernel, or
-   for the dense mode its gate_up and down matvecs and activation.
+   the head per token (ms/token, median token time over --new-tokens greedy steps, Engine.decode_greedy). "MLP" is
+   the sparse MLP kernel, or for the dense mode its gate_up and down matvecs and activation; "head" is the lm_head's
+   int8 screen and its candidate rows (float heads; runtime/head.py), or the whole lm_head (int8, or --full-head).
 """
 
 import argparse
@@ -47,10 +48,14 @@ def stream_matvec(dtype: torch.dtype, threads: int, reps: int, rows: int = 49152
 
 
 class Timed:
-    """Wraps a callable; adds its wall time to `totals[name]`."""
+    """Wraps a callable; adds its wall time to `totals[name]`. Other attributes are the callable's (a wrapped Linear
+    still has its weight)."""
 
     def __init__(self, fn, name: str, totals: dict):
         self.fn, self.name, self.totals = fn, name, totals
+
+    def __getattr__(self, name: str):
+        return getattr(self.fn, name)
 
     def __call__(self, *args, **kwargs):
         start = time.perf_counter()
@@ -59,11 +64,11 @@ class Timed:
         return out
 
 
-def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens: int) -> dict:
+def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens: int, head_screen: bool = True) -> dict:
     from sparseforge.runtime import kernels
     from sparseforge.runtime.engine import Engine
 
-    engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, threads=threads, progress=False)
+    engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, threads=threads, progress=False, head_screen=None if head_screen else False)
     totals: dict[str, float] = defaultdict(float)
     lib = engine._row.lib
     wrapped = {name: Timed(getattr(lib, name), name, totals) for name in ("sf_attention_decode", "sf_rms_norm")}
@@ -72,6 +77,8 @@ def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens
     for name, fn in saved.items():
         setattr(kernels, name, Timed(fn, name, totals))
     engine.weights.lm_head = Timed(engine.weights.lm_head, "lm_head", totals)
+    if engine.head_screen is not None:
+        engine.head_screen.argmax = Timed(engine.head_screen.argmax, "lm_head", totals)
     lean = engine._row.lean  # one native call per step (sf_decode_layers), which times its parts itself
     try:
         cache = engine.new_cache(1)
@@ -81,7 +88,7 @@ def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens
         before = list(lean.seconds) if lean else None
         for _ in range(new_tokens):
             start = time.perf_counter()
-            token = int(engine.forward(torch.tensor([[token]]), cache)[0, -1].argmax())
+            token = engine.decode_greedy(token, cache)
             steps.append(time.perf_counter() - start)
         if lean:
             for name, a, b in zip(("sf_attention_decode", "predict_native", "sparse_mlp_native"), before, lean.seconds):
@@ -89,7 +96,8 @@ def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens
     finally:
         for name, fn in saved.items():
             setattr(kernels, name, fn)
-    row = {"mode": mode, "dtype": dtype, "tok_s": 1 / median(steps), "ms_token": 1000 * sum(steps) / new_tokens}
+    row = {"mode": mode, "dtype": dtype, "head": "screen" if engine.head_screen is not None else "full", "tok_s": 1 / median(steps),
+           "ms_token": 1000 * sum(steps) / new_tokens}  # fmt: skip
     for name in ("sf_attention_decode", "lm_head", "predict_native", "sparse_mlp_native"):
         row[name] = 1000 * totals.get(name, 0.0) / new_tokens
     row["other"] = row["ms_token"] - sum(row[n] for n in ("sf_attention_decode", "lm_head", "predict_native", "sparse_mlp_native"))
@@ -104,6 +112,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64, help="decode steps per engine")
     p.add_argument("--modes", nargs="+", default=["dense", "oracle", "sparse"], help="engine modes for the breakdown")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="weight dtypes")
+    p.add_argument("--full-head", action="store_true", help="greedy steps read the whole lm_head (no int8 screen)")
     p.add_argument("--out", default=None, help="results name (default kernels-t<threads>)")
     args = p.parse_args()
     from sparseforge.runtime import kernels
@@ -114,10 +123,10 @@ def main() -> None:
         p.error(f"--ckpt {args.ckpt} has no predictors.json; pass a trained sparse checkpoint")
     env, bandwidth = setup(args.threads)
     stream = [stream_matvec(DTYPES[d], args.threads, args.reps) for d in args.dtypes]
-    breakdown = [decode_breakdown(Path(args.ckpt), m, d, args.threads, args.new_tokens) for d in args.dtypes for m in args.modes]
+    breakdown = [decode_breakdown(Path(args.ckpt), m, d, args.threads, args.new_tokens, not args.full_head) for d in args.dtypes for m in args.modes]
     t1 = markdown_table(stream, [("dtype", "weights", ""), ("ms", "ms / call", ".2f"), ("gb_s", "GB/s read", ".1f"), ("gmac_s", "GMAC/s", ".1f")])
     t2 = markdown_table(breakdown, [("dtype", "weights", ""), ("mode", "mode", ""), ("tok_s", "decode tok/s", ".1f"),
-                                    ("sf_attention_decode", "attention ms", ".2f"), ("lm_head", "lm_head ms", ".2f"),
+                                    ("sf_attention_decode", "attention ms", ".2f"), ("head", "head", ""), ("lm_head", "head ms", ".2f"),
                                     ("predict_native", "predictor ms", ".2f"), ("sparse_mlp_native", "MLP ms", ".2f"),
                                     ("other", "other ms", ".2f")])  # fmt: skip
     table = (f"Streaming `sf_matvec`, [49152, 576], 6 matrices round robin, median of {args.reps} calls:\n\n{t1}\n\n"

@@ -20,7 +20,7 @@ def register_plan(subparsers) -> None:
         "plan",
         help="choose the hot (resident) MLP neurons for a fast-memory budget from the activation profile",
         description="From CKPT/profile.safetensors and a fast-memory budget, reserve what every token touches (attention, "
-        "embeddings + lm_head, norms, MoE routers, predictors, KV cache for --context) and fill the rest with the most "
+        "embeddings + lm_head, norms, MoE routers, predictors, the lm_head's int8 screen, KV cache for --context) and fill the rest with the most "
         "frequently firing neuron bundles (gate row + up row + down column), per layer (per expert for MoE), which "
         "maximises the expected resident hits. Writes CKPT/plan.json (or --out); optionally PowerInfer's GPU index.",
         formatter_class=HelpFormatter,
@@ -34,6 +34,9 @@ def register_plan(subparsers) -> None:
                    help="weight dtype in fast memory (int8: int8 weights with float32 row scales, float32 KV cache); default: as stored")  # fmt: skip
     p.add_argument("--predictor-dtype", choices=DTYPE_CHOICES, default=None,
                    help="dtype of the predictors the engine will run (generate --predictor-dtype); default: --dtype, as the engine's default")  # fmt: skip
+    p.add_argument("--full-head", action="store_true",
+                   help="reserve no memory for the lm_head's int8 screen (for engines run with --full-head); the screen takes one "
+                   "byte per head weight and is reserved by default for float dtypes")  # fmt: skip
     p.add_argument("--out", default="plan.json", help="file name of the plan inside the checkpoint, e.g. plan-25pct.json")
     p.add_argument("--powerinfer-gpu-index", metavar="DIR", default=None,
                    help="also write PowerInfer's GPU index (DIR/model.powerinfer.gguf.generated.gpuidx); dense models only")  # fmt: skip
@@ -44,7 +47,8 @@ def register_plan(subparsers) -> None:
 def plan_command(args) -> int:
     from sparseforge.runtime.plan import PlanRequest, artifact_name, format_plan, make_plan, parse_size, write_plan, write_powerinfer_gpu_index
 
-    request = PlanRequest(parse_size(args.fast_memory), context=args.context, dtype=args.dtype, predictor_dtype=args.predictor_dtype)
+    request = PlanRequest(parse_size(args.fast_memory), context=args.context, dtype=args.dtype, predictor_dtype=args.predictor_dtype,
+                          head_screen=not args.full_head)  # fmt: skip
     artifact_name(args.out)  # a bad --out fails before any work
     plan = make_plan(args.ckpt, request)
     if not args.quiet:
@@ -72,6 +76,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="keep only this much resident (as for `sparseforge plan`: 300MB, 1.5GiB, 25%%); hot neurons pinned, cold "
                    "neurons read from disk through the neuron cache. Default: everything resident")  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--full-head", action="store_true",
+                   help="greedy steps read the whole lm_head instead of finding the token through its int8 screen (the same "
+                   "token; saves the screen's memory, one byte per head weight: docs/runtime.md \"Head screen\")")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
 
 
@@ -146,9 +153,11 @@ def open_engine(args):
             from sparseforge.runtime.store import tiered_units
 
             units = stack.enter_context(tiered_units(args.ckpt, args.fast_memory, args.weight_dtype, context=args.context,
-                                                     predictor_dtype=args.predictor_dtype, progress=not args.no_progress))  # fmt: skip
+                                                     predictor_dtype=args.predictor_dtype, head_screen=not args.full_head,
+                                                     progress=not args.no_progress))  # fmt: skip
         yield Engine.load(args.ckpt, mode=args.mode, weight_dtype=args.weight_dtype, context=args.context, threads=args.threads,
-                          units=units, progress=not args.no_progress, predictor_dtype=args.predictor_dtype)  # fmt: skip
+                          units=units, progress=not args.no_progress, predictor_dtype=args.predictor_dtype,
+                          head_screen=False if args.full_head else None)  # fmt: skip
 
 
 def _generation(args, engine, max_new_tokens: int):

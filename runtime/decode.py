@@ -5,7 +5,7 @@ PyTorch ops. Weight pointers are taken once; the residual row lives in one preal
 
 When every MLP is one fully resident unit (no MoE, no neuron store) or the dense mode's matrices, the whole step
 is one native call (`LeanStep`, sf_decode_layers): every layer's attention block and MLP with their arguments
-prepared at load, then the final norm; only the lm_head runs from Python. Per-layer ctypes calls made from
+prepared at load, then the final norm; only the lm_head (or its screen, runtime/head.py) runs from Python. Per-layer ctypes calls made from
 Python cost 0.3–0.6 ms a token, 0.5 ms of an int8 token's 5.2 (docs/runtime.md "Kernels: one call per token").
 Other engines go through Engine._mlp_row (requests, waits, experts).
 """
@@ -46,12 +46,17 @@ class RowDecoder:
     def step(self, token: int, cache: KVCache) -> torch.Tensor:
         """Append `token` at position cache.length of a batch-1 cache; float32 logits [V]. The caller
         advances cache.length."""
+        self.layers(token, cache)
+        return self.engine.weights.lm_head(self.xn[None])[0]
+
+    def layers(self, token: int, cache: KVCache) -> None:
+        """step without the lm_head: every layer and the final norm, into xn (the head's input)."""
         engine, lib, x, xn = self.engine, self.lib, self.x, self.xn
         x.copy_(engine.weights.embed_ids(torch.tensor([[token]]))[0, 0])
         pos, ctx = cache.length, cache.context
         if self.lean is not None:
             self.lean.step(cache, pos)
-            return engine.weights.lm_head(xn[None])[0]
+            return
         nh, kvh, hd = self.dims
         cos, sin = engine.cos.data_ptr() + pos * self.row_bytes, engine.sin.data_ptr() + pos * self.row_bytes
         layer_stride = cache.k.stride(0) * 4
@@ -62,7 +67,6 @@ class RowDecoder:
                                     ctx, pos, self.windows[i], nh, kvh, hd, scratch, threads)  # fmt: skip
             engine._mlp_row(i, lw, xn, x)
         lib.sf_rms_norm(xp, engine.weights.final_norm.data_ptr(), self.eps, self.hidden, xnp)
-        return engine.weights.lm_head(xn[None])[0]
 
 
 class SfLayer(ctypes.Structure):

@@ -18,6 +18,9 @@ A batch-1 one-token forward (decode) runs on native kernels (runtime/decode.py, 
 layer one call for the attention block, one for the predictor (ids of the predicted neurons) and one per
 part of the unit's request for gate/up dots -> activation -> down accumulation into the residual. Several
 rows use PyTorch ops over the gathered bundles. One forward at a time per engine (shared buffers).
+Greedy decode steps (`decode_greedy`, used by `generate` at temperature 0) take the token from the head screen
+(runtime/head.py) when the engine has one: an int8 copy of the lm_head with error bounds finds the few rows that
+can be the argmax, and only those are computed in the head's dtype; the token is the full logits' argmax.
 """
 
 import json
@@ -30,6 +33,7 @@ import torch
 from sparseforge.errors import SparseforgeError
 from sparseforge.runtime import kernels
 from sparseforge.runtime.decode import RowDecoder
+from sparseforge.runtime.head import HeadScreen, screen_rows_bytes
 from sparseforge.runtime.forward import KVCache, attention, attention_shape, rms_norm, rope_tables, route
 from sparseforge.runtime.sampling import GenerationConfig, make_generator, sample
 from sparseforge.runtime.units import row_bytes
@@ -38,6 +42,27 @@ from sparseforge.sparsify.hf_code.modeling_sparseforge import GatedActivation
 
 MODES = ("sparse", "oracle", "dense")
 __all__ = ["Engine", "GenerationConfig", "MODES"]
+
+
+def _head_screen(weights, units, threads: int, native: bool, wanted: bool | None) -> HeadScreen | None:
+    """Engine.load's head_screen choice (see there)."""
+    if wanted is False:
+        return None
+    head = weights.lm_head
+    why = None
+    if not native:
+        why = "the native kernels are off"
+    elif head.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16) or head.bias is not None:
+        why = f"the lm_head is {str(head.weight.dtype).removeprefix('torch.')}{' with a bias' if head.bias is not None else ''} (a screen needs a float head without bias)"
+    plan = getattr(units, "plan", None)  # a neuron store's placement plan: the screen must be in its reserve
+    need = HeadScreen.nbytes_for(head.weight)
+    if why is None and plan is not None and plan["always_touched"].get("head_screen", 0) < need:
+        why = f"the placement plan reserves {plan['always_touched'].get('head_screen', 0)} B for it, not {need} B (make the plan again)"
+    if why is not None:
+        if wanted:
+            raise SparseforgeError(f"head_screen=True but {why}; load with head_screen=None or False")
+        return None
+    return HeadScreen(head.weight, threads)
 
 
 def _load_config(ckpt: Path):
@@ -66,6 +91,7 @@ class _Counters:
         self.row_neurons = 0  # neurons computed by native single-row MLPs
         self.row_counts = torch.zeros(2, dtype=torch.long)  # their up rows and down columns read (sf_sparse_mlp)
         self.row_bytes = 0  # bytes of one bundle row (+ its int8 scale)
+        self.screened_tokens = self.screen_candidates = 0  # greedy steps through the head screen; head rows they computed
 
     def row_weight_bytes(self) -> int:
         """Bytes the native MLP rows read: every gate row, plus up rows and down columns where needed."""
@@ -76,7 +102,7 @@ class Engine:
     """A loaded checkpoint ready to run; see the module docstring."""
 
     def __init__(self, ckpt: Path, config, tokenizer, weights, predictors, mode: str, context: int, threads: int, weight_dtype: str,
-                 units: Callable | None = None, native: bool = True):
+                 units: Callable | None = None, native: bool = True, head_screen: HeadScreen | None = None):
         self.ckpt, self.config, self.tokenizer, self.weights, self.units = ckpt, config, tokenizer, weights, units
         self.predictors, self.mode, self.context, self.threads, self.weight_dtype = predictors, mode, context, threads, weight_dtype
         self.shape = attention_shape(config)
@@ -91,19 +117,25 @@ class Engine:
         self._arange = {}
         self._counters = _Counters()
         self._row = RowDecoder(self) if native else None
+        self.head_screen = head_screen if self._row is not None else None
         self._static_bytes = self._always_touched_bytes()
 
     # -- loading -------------------------------------------------------------------------------------------
 
     @classmethod
     def load(cls, ckpt: str | Path, mode: str = "sparse", weight_dtype: str = "float32", context: int = 2048, threads: int | None = None,
-             units: Callable | None = None, progress: bool = True, native: bool | None = None, predictor_dtype: str | None = None) -> "Engine":
+             units: Callable | None = None, progress: bool = True, native: bool | None = None, predictor_dtype: str | None = None,
+             head_screen: bool | None = None) -> "Engine":
         """Read a sparse checkpoint. units: optional factory (layer, expert, reader) -> MLPUnit
         (runtime/weights.py); default: every bundle resident. predictor_dtype: the sparse mode's predictors
         in another dtype than the weights (default: weight_dtype); int8 predictors read a quarter of the float32
         bytes and choose the same neurons within rounding (docs/runtime.md). threads: kernel and torch threads
         (default: torch's current setting; when given, torch.set_num_threads(threads) is applied).
-        native: use the compiled kernels (default: when they build); False forces the PyTorch ops."""
+        native: use the compiled kernels (default: when they build); False forces the PyTorch ops.
+        head_screen: greedy decode steps find the token through an int8 screen of the lm_head (runtime/head.py;
+        same token, a quarter of the float32 head's bytes, +1 byte per head weight of memory). None: when the head
+        can have one (float weights, no bias, native kernels) and, under a placement plan, the plan reserved it;
+        True: required (an error says why not); False: never."""
         from transformers import AutoTokenizer
 
         ckpt = Path(ckpt)
@@ -138,8 +170,9 @@ class Engine:
         native = available if native is None else native
         with torch.inference_mode():
             weights = load_weights(reader, config, mode, units, threads, native, progress)
+            screen = _head_screen(weights, units, threads, native, head_screen)
         tokenizer = AutoTokenizer.from_pretrained(ckpt, local_files_only=True, trust_remote_code=False)  # needs none of the custom code
-        return cls(ckpt, config, tokenizer, weights, predictors, mode, context, threads, weight_dtype, units, native)
+        return cls(ckpt, config, tokenizer, weights, predictors, mode, context, threads, weight_dtype, units, native, screen)
 
     def new_cache(self, batch: int = 1, context: int | None = None) -> KVCache:
         """A KV cache for `batch` rows of up to `context` positions (default and at most: the engine's).
@@ -183,14 +216,33 @@ class Engine:
         self._account(B, T, start, cache)
         return logits
 
-    def _account(self, B: int, T: int, start: float, cache: KVCache) -> None:
-        """Count a forward's tokens and time (T == 1: decode, with its always-touched and KV bytes) and
-        advance the cache."""
+    @torch.inference_mode()
+    def decode_greedy(self, token: int, cache: KVCache) -> int:
+        """Append `token` to a batch-1 cache and return the greedy next token: the argmax of the logits
+        `forward` would return, through the head screen when the engine has one (without it, the argmax of
+        forward's logits)."""
+        if self.head_screen is None or cache.batch != 1 or cache.length + 1 > cache.context:
+            return int(torch.argmax(self.forward(torch.tensor([[token]]), cache)[0, -1]))
+        start = time.perf_counter()
+        self._row.layers(int(token), cache)
+        nxt, candidates = self.head_screen.argmax(self._row.xn)
+        c = self._counters
+        c.screened_tokens += 1
+        c.screen_candidates += candidates
+        head = self.weights.lm_head
+        head_bytes = screen_rows_bytes(*head.weight.shape) + candidates * head.weight.shape[1] * head.weight.element_size()
+        self._account(1, 1, start, cache, head_bytes)
+        return nxt
+
+    def _account(self, B: int, T: int, start: float, cache: KVCache, head_bytes: int | None = None) -> None:
+        """Count a forward's tokens and time (T == 1: decode, with its always-touched and KV bytes; head_bytes:
+        what a screened step read of the head instead of all of it) and advance the cache."""
         c = self._counters
         if T == 1:
             c.decode_tokens += B
             c.decode_seconds += time.perf_counter() - start
-            c.decode_bytes += B * (self._static_bytes + self._kv_bytes(cache.length + 1))
+            static = self._static_bytes if head_bytes is None else self._static_bytes - self.weights.lm_head.nbytes + head_bytes
+            c.decode_bytes += B * (static + self._kv_bytes(cache.length + 1))
         else:
             c.prefill_tokens += B * T
             c.prefill_seconds += time.perf_counter() - start
@@ -374,12 +426,15 @@ class Engine:
         generator = make_generator(config.seed)
         cache = self.new_cache(1)
         logits = self.forward(ids, cache, logits_from=-1)[0, -1]
+        token = sample(logits, config, generator)
         for step in range(config.max_new_tokens):
-            token = sample(logits, config, generator)
             yield token
             if token in stop or step + 1 == config.max_new_tokens or cache.length >= self.context:
                 return
-            logits = self.forward(torch.tensor([[token]]), cache)[0, -1]
+            if config.temperature == 0:
+                token = self.decode_greedy(token, cache)
+            else:
+                token = sample(self.forward(torch.tensor([[token]]), cache)[0, -1], config, generator)
 
     # -- statistics ----------------------------------------------------------------------------------------
 
@@ -403,7 +458,9 @@ class Engine:
             "neurons_fired_fraction": (c.neurons_fired + int(c.row_counts[1])) / c.neuron_slots if c.neuron_slots else None,
             "predictor_seconds": c.predictor_seconds,
             "bytes_touched_per_decode_token": (c.decode_bytes + c.row_weight_bytes()) / c.decode_tokens if c.decode_tokens else None,
-            "resident_weight_bytes": self.weights.resident_bytes() + self._predictor_bytes(),
+            "resident_weight_bytes": self.weights.resident_bytes() + self._predictor_bytes() + (self.head_screen.nbytes if self.head_screen else 0),
+            "head_screen": self.head_screen is not None,
+            "head_rows_per_screened_token": c.screen_candidates / c.screened_tokens if c.screened_tokens else None,
         }
         if hasattr(self.units, "stats") and not isinstance(self.units, type):  # a factory reporting for all its units (the neuron store)
             out["units"] = self.units.stats()

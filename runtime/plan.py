@@ -7,7 +7,7 @@ compute it: gate row `gate_proj.weight[j, :]`, up row `up_proj.weight[j, :]` and
 profile (`profile.safetensors`, written by `sparseforge profile`).
 
 Fast memory first holds what every token touches (attention, embeddings + lm_head, norms, MoE routers,
-predictors, KV cache for the context length); what is left holds hot neuron bundles. The plan maximises
+predictors, the lm_head's int8 screen for greedy steps, KV cache for the context length); what is left holds hot neuron bundles. The plan maximises
 the expected number of resident hits per token, i.e. the summed frequency of the hot neurons, subject to
 `sum(hot bundle bytes) <= MLP budget` (a 0/1 knapsack):
 
@@ -37,6 +37,7 @@ import torch
 from safetensors import safe_open
 
 from sparseforge.errors import SparseforgeError
+from sparseforge.runtime.head import screen_bytes
 
 PLAN_FORMAT_VERSION = 1
 DTYPES = ("float32", "float16", "bfloat16", "int8")
@@ -193,9 +194,11 @@ def stored_dtype(headers: dict[str, tuple[str, list[int]]]) -> str:
     raise SparseforgeError("the checkpoint has no MLP weights (mlp.gate_proj/up_proj/down_proj); is it a sparseforge checkpoint?")
 
 
-def reserve_bytes(ckpt: str | Path, shape: ModelShape, headers: dict, dtype: str, context: int, predictor_dtype: str) -> dict[str, int]:
+def reserve_bytes(ckpt: str | Path, shape: ModelShape, headers: dict, dtype: str, context: int, predictor_dtype: str,
+                  head_screen: bool = True) -> dict[str, int]:  # fmt: skip
     """Always-touched bytes by category (+ `total`): every non-MLP weight in `dtype`, the lm_head once if
-    tied, the predictors in `predictor_dtype`, and the KV cache for `context` tokens."""
+    tied, the predictors in `predictor_dtype`, the lm_head's screen (float dtypes, unless head_screen is False), and
+    the KV cache for `context` tokens."""
     cats = dict.fromkeys(("attention", "embeddings", "lm_head", "norms", "routers", "mlp_biases", "other"), 0)
     mlp_elements = 0
     for name, (_, dims) in headers.items():
@@ -212,9 +215,18 @@ def reserve_bytes(ckpt: str | Path, shape: ModelShape, headers: dict, dtype: str
         )
     cats["mlp_channel_scales"] = shape.layers * shape.experts * shape.hidden * 4 if dtype == "int8" else 0  # int8 down columns: [H] per unit
     cats["predictors"] = predictor_bytes(ckpt, predictor_dtype)
+    cats["head_screen"] = head_screen_bytes(headers, dtype) if head_screen else 0
     cats["kv_cache"] = kv_cache_bytes(shape, context, dtype)
     cats["total"] = sum(cats.values())
     return cats
+
+
+def head_screen_bytes(headers: dict, dtype: str) -> int:
+    """The engine's int8 screen of the lm_head for greedy steps (runtime/head.py): float heads without a bias."""
+    name = "lm_head.weight" if "lm_head.weight" in headers else "model.embed_tokens.weight"
+    if dtype == "int8" or "lm_head.bias" in headers or name not in headers:
+        return 0
+    return screen_bytes(*headers[name][1])
 
 
 def predictor_bytes(ckpt: str | Path, dtype: str) -> int:
@@ -339,6 +351,7 @@ class PlanRequest:
     context: int = 2048
     dtype: str | None = None  # None: as the MLP weights are stored
     predictor_dtype: str | None = None  # None: `dtype`, as the engine converts its predictors by default
+    head_screen: bool = True  # reserve the lm_head's int8 screen (float dtypes), which engines build by default
 
 
 def _rate(hit: int, total: int) -> float | None:
@@ -365,7 +378,7 @@ def make_plan(ckpt: str | Path, request: PlanRequest) -> dict:
             f"profile counts have shape {tuple(counts.shape)}, the model is [L, E, I] = "
             f"{(shape.layers, shape.experts, shape.intermediate)}; re-run sparseforge profile on this checkpoint"
         )
-    reserve = reserve_bytes(ckpt, shape, headers, dtype, request.context, predictor_dtype)
+    reserve = reserve_bytes(ckpt, shape, headers, dtype, request.context, predictor_dtype, request.head_screen)
     per_neuron = neuron_bytes(shape.hidden, dtype)
     neurons = shape.layers * shape.experts * shape.intermediate
     mlp_total = neurons * per_neuron

@@ -125,7 +125,9 @@ def test_plan_reserves_always_touched_and_keeps_hottest(llama):
     attention, embeddings, lm_head, norms, kv, _ = _reserve_by_hand(context=64)
     r = plan["always_touched"]
     assert (r["attention"], r["embeddings"], r["lm_head"], r["norms"], r["kv_cache"]) == (attention, embeddings, 0, norms, kv)
-    assert r["total"] == attention + embeddings + norms + kv and r["predictors"] == 0
+    screen = 300 * H + 300 * 24  # the lm_head's int8 screen: a byte per weight + four floats and an int64 per row (runtime/head.py)
+    assert r["head_screen"] == screen
+    assert r["total"] == attention + embeddings + norms + screen + kv and r["predictors"] == 0
     assert plan["bytes_per_neuron"] == 3 * H * 4 and plan["mlp"]["total_bytes"] == L * I * 3 * H * 4
     assert plan["mlp"]["hot_neurons"] == int(0.3 * L * I * 3 * H * 4) // (3 * H * 4)
     assert plan["resident_bytes"] <= plan["budget_bytes"] and plan["mlp"]["resident_bytes"] <= plan["mlp"]["budget_bytes"]
@@ -170,6 +172,7 @@ def test_dtypes_int8_and_predictors(llama, tmp_path):
     assert q["always_touched"]["attention"] == L * (2 * 64 * (H + 4) + 2 * 32 * (H + 4))  # int8 rows + f32 row scales
     assert q["always_touched"]["norms"] == (2 * L + 1) * H * 4 and q["always_touched"]["kv_cache"] == 2 * kv
     assert q["always_touched"]["mlp_channel_scales"] == L * H * 4 and half["always_touched"]["mlp_channel_scales"] == 0
+    assert q["always_touched"]["head_screen"] == 0 and half["always_touched"]["head_screen"] == 300 * H + 300 * 24  # int8 heads get none
     fake = {"layers.0.fc1.weight": torch.zeros(8, H), "layers.0.fc2.weight": torch.zeros(I, 8)}
     save_tensors(ckpt / "predictors.safetensors", fake, {"format_version": "1"})
     try:

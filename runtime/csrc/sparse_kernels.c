@@ -382,6 +382,150 @@ int sf_matvec(const void *W, const float *scales, const float *bias, int dtype, 
     return 0;
 }
 
+/* ---- the greedy token of the lm_head without reading all of it ----
+ * One row of matvec_rows' result for nx == 1, computed alone with the same operations in the same order: rows in
+ * a full block of 4 go through dot4 (one accumulator per row), the rows after the last full block through dot. */
+static SF_INLINE float head_row(const void *W, const int dtype, int64_t rows, int64_t cols, const float *x, int64_t r) {
+    const char *w = (const char *)W + r * cols * ELEM_SIZE[dtype];
+    float o;
+    if (r < rows - rows % 4) {
+        int64_t i = 0;
+        float s = 0.0f;
+#if SF_AVX2
+        __m256 a = _mm256_setzero_ps();
+        for (; i + 8 <= cols; i += 8) a = _mm256_fmadd_ps(load8(w, i, dtype), _mm256_loadu_ps(x + i), a);
+        s = hsum256(a);
+#endif
+        for (; i < cols; i++) s += load1(w, i, dtype) * x[i];
+        o = s;
+    } else {
+        o = dot(w, x, cols, dtype);
+    }
+    return 1.0f * o + 0.0f; /* matvec_rows' scale and bias terms without scales or bias */
+}
+
+/* x [n] -> q [n] int16 with one scale d (x ~ d q, |q| <= 32767); returns a bound on max_j |x_j - d q_j| */
+static float quantize_q16(const float *x, int64_t n, int16_t *q, float *d) {
+    float m = 0.0f;
+    for (int64_t i = 0; i < n; i++) m = fmaxf(m, fabsf(x[i]));
+    float inv = m > 0.0f ? 32767.0f / m : 0.0f;
+    *d = m / 32767.0f;
+    double err = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        float v = fminf(fmaxf(x[i] * inv, -32767.0f), 32767.0f);
+        q[i] = (int16_t)lrintf(v);
+        err = fmax(err, fabs((double)x[i] - (double)*d * (double)q[i]));
+    }
+    return (float)(err * (1.0 + 1e-6));
+}
+
+/* out[k] = Q_k . q exactly (int8 rows, int16 vector) for four rows: sign-extended to int16, pairs multiplied and
+ * added in int32 lanes (madd) -- a third of the instructions of converting every weight to float, which made the
+ * float-input screen compute-bound at ~20 GB/s. Lanes are flushed to int64 every 2048 columns, so no int32 sum can
+ * overflow (a lane adds at most 128 pairs of products below 127 x 32767 each). next: prefetched as in dot4. */
+static SF_INLINE void dot4_i8i16(const int8_t *w0, const int8_t *w1, const int8_t *w2, const int8_t *w3, const int16_t *q, int64_t n,
+                                 int64_t *out, const char *const *next) {
+    int64_t s[4] = {0, 0, 0, 0}, i = 0;
+    const int8_t *w[4] = {w0, w1, w2, w3};
+#if SF_AVX2
+    while (i + 16 <= n) {
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+        int64_t stop = i + 2048 < n ? i + 2048 : n;
+        for (; i + 16 <= stop; i += 16) {
+            if (SF_PREFETCH && next && (i & 63) == 0) {
+                _mm_prefetch(next[0] + i, _MM_HINT_T0);
+                _mm_prefetch(next[1] + i, _MM_HINT_T0);
+                _mm_prefetch(next[2] + i, _MM_HINT_T0);
+                _mm_prefetch(next[3] + i, _MM_HINT_T0);
+            }
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(q + i));
+            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w0 + i))), xv));
+            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w1 + i))), xv));
+            a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w2 + i))), xv));
+            a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w3 + i))), xv));
+        }
+        __m256i acc[4] = {a0, a1, a2, a3};
+        for (int k = 0; k < 4; k++) {
+            int32_t lanes[8];
+            _mm256_storeu_si256((__m256i *)lanes, acc[k]);
+            for (int l = 0; l < 8; l++) s[k] += lanes[l];
+        }
+    }
+#else
+    (void)next;
+#endif
+    for (; i < n; i++)
+        for (int k = 0; k < 4; k++) s[k] += (int64_t)w[k][i] * q[i];
+    for (int k = 0; k < 4; k++) out[k] = s[k];
+}
+
+/* argmax_r of y = W x as sf_matvec computes it (W [rows, cols] float32/bfloat16/float16, no scales or bias), lowest r on
+ * ties, without reading most of W. Q [rows, cols] is W in int8 with per-row scales qs; x is rounded to int16 with one
+ * scale d (error at most e per element), and the screened value qs[r] d (Q[r] . q) is within
+ *     radius[r] |x|_1 + qabs[r] e
+ * of y[r]: radius bounds the rounding of W to Q plus the float error of both sums, qabs[r] = qs[r] sum_j |Q[r, j]|
+ * (runtime/head.py). Every row whose interval reaches the largest lower bound is a candidate; the true argmax is one
+ * of them (its upper bound is at least its value, which is at least every row's lower bound), so only the candidates'
+ * rows of W are read, each with the operations sf_matvec uses. approx: float [rows], the screened values, with the
+ * candidates' exact logits in their places; cand: int64 [rows] receives the candidates (ascending), *ncand their count. */
+static SF_INLINE int64_t head_argmax_impl(const void *W, const int dtype, int64_t rows, int64_t cols, const int8_t *Q, const float *qs,
+                                          const float *radius, const float *qabs, const float *x, float *approx, int64_t *cand,
+                                          int64_t *ncand, int nthreads) {
+    double l1d = 0.0;
+    for (int64_t i = 0; i < cols; i++) l1d += fabs((double)x[i]);
+    const float l1 = (float)(l1d * (1.0 + 1e-6));
+    int16_t *xq = malloc(sizeof(int16_t) * (size_t)cols);
+    if (!xq) return -2;
+    float d;
+    const float e = quantize_q16(x, cols, xq, &d);
+    float best_lo = -INFINITY;
+    const int64_t blocks = (rows + 3) / 4;
+#pragma omp parallel for schedule(guided) num_threads(threads_for(nthreads, rows)) reduction(max : best_lo)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        int64_t r0 = blk * 4;
+        const int8_t *w = Q + r0 * cols;
+        int64_t o[4];
+        if (r0 + 4 <= rows) {
+            const char *next[4] = {(const char *)(w + 4 * cols), (const char *)(w + 5 * cols), (const char *)(w + 6 * cols),
+                                   (const char *)(w + 7 * cols)};
+            dot4_i8i16(w, w + cols, w + 2 * cols, w + 3 * cols, xq, cols, o, r0 + 8 <= rows ? next : NULL);
+        } else {  /* the last rows: the same exact sums, repeating the last row where there are fewer than 4 */
+            const int8_t *last = Q + (rows - 1) * cols;
+            dot4_i8i16(w, r0 + 1 < rows ? w + cols : last, r0 + 2 < rows ? w + 2 * cols : last, r0 + 3 < rows ? w + 3 * cols : last, xq,
+                       cols, o, NULL);
+        }
+        for (int64_t r = r0; r < r0 + 4 && r < rows; r++) {
+            approx[r] = qs[r] * d * (float)o[r - r0];
+            best_lo = fmaxf(best_lo, approx[r] - (radius[r] * l1 + qabs[r] * e));
+        }
+    }
+    free(xq);
+    int64_t n = 0;
+    for (int64_t r = 0; r < rows; r++)
+        if (approx[r] + (radius[r] * l1 + qabs[r] * e) >= best_lo) cand[n++] = r;
+    int64_t arg = n ? cand[0] : 0;
+    float best = -INFINITY;
+    for (int64_t k = 0; k < n; k++) {
+        float y = head_row(W, dtype, rows, cols, x, cand[k]);
+        approx[cand[k]] = y;
+        if (y > best || k == 0) best = y, arg = cand[k];
+    }
+    *ncand = n;
+    return arg;
+}
+
+/* the greedy row of the lm_head (head_argmax_impl); -1 for int8 W (no screen: the head is already int8), -2 when the
+ * int16 copy of x could not be allocated */
+int64_t sf_head_argmax(const void *W, int dtype, int64_t rows, int64_t cols, const int8_t *Q, const float *qs, const float *radius,
+                       const float *qabs, const float *x, float *approx, int64_t *cand, int64_t *ncand, int nthreads) {
+    switch (dtype) {
+    case SF_F32: return head_argmax_impl(W, SF_F32, rows, cols, Q, qs, radius, qabs, x, approx, cand, ncand, nthreads);
+    case SF_BF16: return head_argmax_impl(W, SF_BF16, rows, cols, Q, qs, radius, qabs, x, approx, cand, ncand, nthreads);
+    case SF_F16: return head_argmax_impl(W, SF_F16, rows, cols, Q, qs, radius, qabs, x, approx, cand, ncand, nthreads);
+    default: return -1;
+    }
+}
+
 /* Predictor (no biases): z = relu(fc1 x) [rank], score = s2 * sum over r with z[r] > 0 of z[r] * fc2t[r, :] [I],
  * weights of `dtype` (int8: fc1 with per-row scales s1, fc2t with one scale per neuron s2, applied once to each
  * score; float dtypes: s1 = s2 = NULL); writes the ids with score >= threshold to out (ascending) and returns

@@ -1,0 +1,148 @@
+"""The head screen (runtime/head.py): its token is the argmax of sf_matvec's logits, bit for bit, for every float
+head dtype, ragged shapes and ties; its error radius holds; greedy decoding through it gives the unscreened tokens;
+an engine under a placement plan builds it only when the plan reserved it."""
+
+import pytest
+import torch
+from test_runtime_store import _checkpoint
+from tiny import tiny_tokenizer
+
+from sparseforge.errors import SparseforgeError
+from sparseforge.runtime import kernels
+from sparseforge.runtime.engine import Engine, GenerationConfig
+from sparseforge.runtime.head import HeadScreen, screen_bytes
+from sparseforge.runtime.plan import PlanRequest, make_plan, parse_size
+from sparseforge.runtime.store import tiered_units
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.skipif(kernels.native() is None, reason="needs the native kernels")]
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A profiled tiny llama checkpoint with random predictors (about half the neurons predicted active)."""
+    return _checkpoint(tmp_path_factory.mktemp("head"), "llama")
+
+
+def _full(w, x, threads=2):
+    return kernels.matvec_native(w, None, None, x[None].contiguous(), threads)[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(1003, 72), (4096, 64), (37, 13)])
+def test_screened_argmax_is_the_full_logits_argmax(dtype, rows, cols):
+    """Random heads (rows not a multiple of 4, columns with a tail), inputs of several scales, 2 threads: the token
+    is torch.argmax of sf_matvec's logits, the candidates' logits are sf_matvec's bit for bit, and the candidates
+    are a small part of the head."""
+    g = torch.Generator().manual_seed(rows + cols)
+    w = (torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g)).to(dtype)
+    screen = HeadScreen(w, threads=2)
+    counts = []
+    for k in range(40):
+        x = torch.randn(cols, generator=g) * (10.0 ** (k % 4 - 1))
+        y = _full(w, x)
+        token, n = screen.argmax(x)
+        assert token == int(torch.argmax(y))
+        cand = screen.candidates()
+        assert n == cand.numel() and token in cand.tolist() and bool((cand.diff() > 0).all())
+        assert torch.equal(screen.approx[cand], y[cand])  # the candidates' logits, computed as sf_matvec does
+        counts.append(n)
+    assert sum(counts) / len(counts) < rows / 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_radius_bounds_the_screened_error(dtype):
+    """|logit - screened value| <= radius |x|_1 + a e for every row, with the values the kernel computed (screened,
+    and exact for the candidates); e is the largest error of x rounded to int16 with one scale, at most d / 2."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(512, 96, generator=g) * torch.rand(512, 1, generator=g) * 3).to(dtype)
+    screen = HeadScreen(w, threads=1)
+    for _ in range(20):
+        x = torch.randn(96, generator=g) * 5
+        screen.argmax(x)
+        exact = w.double() @ x.double()
+        e = x.abs().max().double() / 32767 / 2 * (1 + 1e-3)
+        slack = screen.radius.double() * x.double().abs().sum() + screen.qabs.double() * e
+        assert bool(((exact - screen.approx.double()).abs() <= slack).all())
+
+
+def test_ties_go_to_the_lowest_id_and_near_ties_are_resolved_exactly():
+    """Equal rows tie (the lowest id wins, as torch.argmax); a row 1e-3 above them in one weight is far inside the
+    screen's radius (~0.06 here), so the exact pass decides, bit for bit as sf_matvec."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 32, generator=g) * 0.1
+    w[40] = w[9] = w[50] = torch.full((32,), 0.5)
+    w[60] = w[40]
+    w[60, 0] += 1e-3  # 60 beats 9/40/50 when x[0] > 0
+    screen = HeadScreen(w, threads=2)
+    x = torch.ones(32)
+    token, n = screen.argmax(x)
+    assert token == int(torch.argmax(_full(w, x))) == 60 and n >= 4
+    x[0] = -1.0  # now 60 loses: the first of the tied rows wins
+    token, _ = screen.argmax(x)
+    assert token == int(torch.argmax(_full(w, x))) == 9
+
+
+def test_long_rows_of_extreme_values_do_not_overflow_the_integer_sums():
+    """Rows of 4,100 columns of +-max weights against an input of +-max values: every product is 127 x 32767, the exact
+    sum 1.7e10 (int64), and an int32 lane would wrap after ~2,048 columns without the kernel's flushes."""
+    g = torch.Generator().manual_seed(1)
+    signs = torch.randint(0, 2, (64, 4100), generator=g).float() * 2 - 1
+    w = signs * 0.01
+    w[17] = 0.01  # all positive: the winner for an all-positive input
+    screen = HeadScreen(w, threads=2)
+    x = torch.ones(4100)
+    token, n = screen.argmax(x)
+    assert token == int(torch.argmax(_full(w, x))) == 17 and n == 1
+    assert torch.allclose(screen.approx[[3, 40]].double(), w[[3, 40]].double() @ x.double(), rtol=1e-5)
+
+
+def test_screen_bytes_and_refusals():
+    w = torch.randn(100, 16)
+    assert HeadScreen(w, 1).nbytes == screen_bytes(100, 16) == 100 * 16 + 100 * 24
+    with pytest.raises(ValueError, match="needs a float32, bfloat16 or float16 head, not torch.int8"):
+        HeadScreen(w.to(torch.int8), 1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_greedy_generation_through_the_screen_gives_the_unscreened_tokens(llama, dtype, mode):
+    prompt = tiny_tokenizer()("The quick brown fox jumps")["input_ids"]
+    config = GenerationConfig(max_new_tokens=24, stop_ids=())
+    on = Engine.load(llama, mode=mode, weight_dtype=dtype, context=64, progress=False)
+    off = Engine.load(llama, mode=mode, weight_dtype=dtype, context=64, progress=False, head_screen=False)
+    assert on.head_screen is not None and off.head_screen is None
+    assert list(on.generate(prompt, config)) == list(off.generate(prompt, config))
+    s_on, s_off = on.stats(), off.stats()
+    assert s_on["head_screen"] and s_on["head_rows_per_screened_token"] >= 1 and s_off["head_rows_per_screened_token"] is None
+    head = on.weights.lm_head.weight
+    assert s_on["resident_weight_bytes"] == s_off["resident_weight_bytes"] + screen_bytes(*head.shape)
+    saved = head.numel() * head.element_size() - head.numel() - 16 * head.shape[0]
+    assert s_off["bytes_touched_per_decode_token"] - s_on["bytes_touched_per_decode_token"] > saved * 0.5
+    sampled = GenerationConfig(max_new_tokens=12, temperature=0.8, top_k=20, seed=5, stop_ids=())
+    assert list(on.generate(prompt, sampled)) == list(off.generate(prompt, sampled))  # sampling reads the whole head
+
+
+def test_engine_screen_choices(llama):
+    assert Engine.load(llama, mode="sparse", weight_dtype="int8", context=64, progress=False).head_screen is None
+    with pytest.raises(SparseforgeError, match="head_screen=True but the lm_head is int8"):
+        Engine.load(llama, mode="sparse", weight_dtype="int8", context=64, progress=False, head_screen=True)
+    with pytest.raises(SparseforgeError, match="head_screen=True but the native kernels are off"):
+        Engine.load(llama, mode="dense", context=64, progress=False, native=False, head_screen=True)
+
+
+def test_plans_reserve_the_screen_and_the_engine_follows_the_plan(llama):
+    plan = make_plan(llama, PlanRequest(parse_size("25%"), context=64, dtype="float32"))
+    reserve = plan["always_touched"]
+    assert reserve["head_screen"] > 0
+    assert make_plan(llama, PlanRequest(parse_size("25%"), context=64, dtype="int8"))["always_touched"]["head_screen"] == 0
+    unscreened = make_plan(llama, PlanRequest(parse_size("25%"), context=64, dtype="float32", head_screen=False))["always_touched"]  # plan --full-head
+    assert unscreened["head_screen"] == 0 and unscreened["total"] == reserve["total"] - reserve["head_screen"]
+    with tiered_units(llama, plan, "float32", progress=False) as store:
+        engine = Engine.load(llama, mode="sparse", context=64, units=store, progress=False)
+        assert engine.head_screen is not None and reserve["head_screen"] == engine.head_screen.nbytes
+    old = {**plan, "always_touched": {k: v for k, v in reserve.items() if k != "head_screen"}}  # a plan from before screens
+    with tiered_units(llama, old, "float32", progress=False) as store:
+        assert Engine.load(llama, mode="sparse", context=64, units=store, progress=False).head_screen is None
+        with pytest.raises(SparseforgeError, match="the placement plan reserves 0 B for it, not .* \\(make the plan again\\)"):
+            Engine.load(llama, mode="sparse", context=64, units=store, progress=False, head_screen=True)
