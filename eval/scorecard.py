@@ -3,7 +3,7 @@ statistics, as CKPT/scorecard.json (format_version 1), a Markdown table, two PNG
 
 Speed is measured in one process, engine modes alternating in every repetition (DESIGN.md: ratios from one
 run, medians): for each mode a prompt of `prompt_tokens` real text tokens is prefilled into a fresh cache,
-then `decode_tokens` greedy single-token steps follow. Per mode: median prefill and decode tokens/s, the
+then `decode_tokens` greedy single-token steps follow (Engine.decode_greedy, as `generate` runs them). Per mode: median prefill and decode tokens/s, the
 engine's own counters (bytes touched per decode token, fraction of neurons computed, resident weight bytes)
 and the process's peak-RSS growth while that engine loaded. Accuracy comes from CKPT/eval.json
 (`sparseforge eval`); the "original" row is paired with the dense mode's speed (same architecture, every
@@ -46,10 +46,10 @@ def _one_run(engine, ids: torch.Tensor, decode_tokens: int) -> tuple[float, floa
     """(prefill tokens/s, decode tokens/s) of one prefill + greedy decode from a fresh cache."""
     cache = engine.new_cache(1)
     start = time.perf_counter()
-    logits = engine.forward(ids, cache, logits_from=-1)[0, -1]
+    token = int(engine.forward(ids, cache, logits_from=-1)[0, -1].argmax())
     prefilled = time.perf_counter()
     for _ in range(decode_tokens):
-        logits = engine.forward(logits.argmax().view(1, 1), cache)[0, -1]
+        token = engine.decode_greedy(token, cache)  # as `generate` decodes greedily (through the head screen if any)
     done = time.perf_counter()
     return ids.shape[1] / (prefilled - start), decode_tokens / (done - prefilled)
 
