@@ -235,17 +235,21 @@ class SparseforgeLM(TemplateLM):
 
     # ---- generation ------------------------------------------------------------------------------
     def _greedy(self, ids: list[int], max_new: int, until: list[str]) -> list[int]:
-        """Greedy continuation of ids (at most max_new tokens), stopped at a stop id or once a stop string appears."""
+        """Greedy continuation of ids (at most max_new tokens), stopped at a stop id or once a stop string appears.
+        Steps after the prompt go through Engine.decode_greedy (the lm_head's int8 screen where the engine has one:
+        the same tokens as the full logits' argmax)."""
         cache, out = self.engine.new_cache(1, min(self.max_length, len(ids) + max_new)), []
-        logits = self._forward(torch.tensor([ids]), cache, logits_from=-1)[0, -1]
+        token = int(self._forward(torch.tensor([ids]), cache, logits_from=-1)[0, -1].argmax())
         for _ in range(max_new):
-            token = int(logits.argmax())
             if token in self.stop_ids:
                 break
             out.append(token)
-            if any(s and s in self.tok_decode(out) for s in until):
+            if len(out) == max_new or any(s and s in self.tok_decode(out) for s in until):
                 break
-            logits = self._forward(torch.tensor([[token]]), cache)[0, -1]
+            start = time.perf_counter()
+            token = self.engine.decode_greedy(token, cache)
+            self.timing["seconds"] += time.perf_counter() - start
+            self.timing["forward_tokens"] += 1
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:

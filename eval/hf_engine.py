@@ -1,7 +1,7 @@
 """The engine interface of `sparseforge.runtime.engine` over an in-memory transformers model.
 
-The lm-eval adapter speaks to an engine through four calls: `new_cache(batch)`, `forward(ids, cache, logits_from)`,
-`cache.fork(n)` and `cache.length` (plus `tokenizer`, `config`, `context`). `HFEngine` answers them with
+The lm-eval adapter speaks to an engine through five calls: `new_cache(batch)`, `forward(ids, cache, logits_from)`,
+`decode_greedy(token, cache)`, `cache.fork(n)` and `cache.length` (plus `tokenizer`, `config`, `context`). `HFEngine` answers them with
 the plain transformers forward and a `DynamicCache`, and applies the same MLP modes as the runtime through
 `predictors.mask.masked_mlps` ("oracle": exact firing mask, "sparse": the predictors' mask, "dense": none).
 
@@ -97,6 +97,10 @@ class HFEngine:
         with self._masks():
             out = self.model(input_ids=ids, past_key_values=cache.kv, use_cache=True, logits_to_keep=-logits_from if logits_from < 0 else ids.shape[1] - logits_from)
         return out.logits.float()
+
+    def decode_greedy(self, token: int, cache: HFCache) -> int:
+        """Engine.decode_greedy: append `token` to a batch-1 cache, return the argmax of the next logits."""
+        return int(self.forward(torch.tensor([[token]]), cache)[0, -1].argmax())
 
     def stop_ids(self) -> tuple[int, ...]:
         """Token ids that end a generation: the tokenizer's EOS and the model's generation_config eos_token_id(s)."""

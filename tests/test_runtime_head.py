@@ -97,6 +97,12 @@ def test_long_rows_of_extreme_values_do_not_overflow_the_integer_sums():
     assert torch.allclose(screen.approx[[3, 40]].double(), w[[3, 40]].double() @ x.double(), rtol=1e-5)
 
 
+def test_a_zero_input_makes_every_row_a_candidate_and_row_0_wins():
+    w = torch.randn(1000, 40)
+    token, n = HeadScreen(w, threads=2).argmax(torch.zeros(40))
+    assert (token, n) == (0, 1000) == (int(torch.argmax(_full(w, torch.zeros(40)))), 1000)
+
+
 def test_screen_bytes_and_refusals():
     w = torch.randn(100, 16)
     assert HeadScreen(w, 1).nbytes == screen_bytes(100, 16) == 100 * 16 + 100 * 24

@@ -503,13 +503,13 @@ static SF_INLINE int64_t head_argmax_impl(const void *W, const int dtype, int64_
     int64_t n = 0;
     for (int64_t r = 0; r < rows; r++)
         if (approx[r] + (radius[r] * l1 + qabs[r] * e) >= best_lo) cand[n++] = r;
+    /* the candidates' exact logits: a few rows as a rule (one thread), many only for degenerate inputs (x = 0) */
+#pragma omp parallel for schedule(static) num_threads(n > 256 ? (nthreads < 1 ? 1 : nthreads) : 1)
+    for (int64_t k = 0; k < n; k++) approx[cand[k]] = head_row(W, dtype, rows, cols, x, cand[k]);
     int64_t arg = n ? cand[0] : 0;
     float best = -INFINITY;
-    for (int64_t k = 0; k < n; k++) {
-        float y = head_row(W, dtype, rows, cols, x, cand[k]);
-        approx[cand[k]] = y;
-        if (y > best || k == 0) best = y, arg = cand[k];
-    }
+    for (int64_t k = 0; k < n; k++)
+        if (approx[cand[k]] > best || k == 0) best = approx[cand[k]], arg = cand[k];
     *ncand = n;
     return arg;
 }
