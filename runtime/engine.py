@@ -33,8 +33,8 @@ import torch
 from sparseforge.errors import SparseforgeError
 from sparseforge.runtime import kernels
 from sparseforge.runtime.decode import RowDecoder
-from sparseforge.runtime.head import HeadScreen, screen_rows_bytes
 from sparseforge.runtime.forward import KVCache, attention, attention_shape, rms_norm, rope_tables, route
+from sparseforge.runtime.head import HeadScreen, screen_bytes, screen_rows_bytes
 from sparseforge.runtime.sampling import GenerationConfig, make_generator, sample
 from sparseforge.runtime.units import row_bytes
 from sparseforge.runtime.weights import WeightReader, load_unit_predictors, load_weights, predictors_nbytes
@@ -55,7 +55,7 @@ def _head_screen(weights, units, threads: int, native: bool, wanted: bool | None
     elif head.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16) or head.bias is not None:
         why = f"the lm_head is {str(head.weight.dtype).removeprefix('torch.')}{' with a bias' if head.bias is not None else ''} (a screen needs a float head without bias)"
     plan = getattr(units, "plan", None)  # a neuron store's placement plan: the screen must be in its reserve
-    need = HeadScreen.nbytes_for(head.weight)
+    need = screen_bytes(*head.weight.shape)
     if why is None and plan is not None and plan["always_touched"].get("head_screen", 0) < need:
         why = f"the placement plan reserves {plan['always_touched'].get('head_screen', 0)} B for it, not {need} B (make the plan again)"
     if why is not None:

@@ -78,10 +78,6 @@ class HeadScreen:
             self.q[a : a + _CHUNK] = q.to(torch.int8)
         self.lib = kernels.native()
 
-    @staticmethod
-    def nbytes_for(weight: torch.Tensor) -> int:
-        return screen_bytes(*weight.shape)
-
     @property
     def nbytes(self) -> int:
         return screen_bytes(*self.weight.shape)
