@@ -237,7 +237,7 @@ class SparseforgeLM(TemplateLM):
     def _greedy(self, ids: list[int], max_new: int, until: list[str]) -> list[int]:
         """Greedy continuation of ids (at most max_new tokens), stopped at a stop id or once a stop string appears.
         Steps after the prompt go through Engine.decode_greedy (the lm_head's int8 screen where the engine has one:
-        the same tokens as the full logits' argmax)."""
+        the argmax of sf_matvec's full logits)."""
         cache, out = self.engine.new_cache(1, min(self.max_length, len(ids) + max_new)), []
         token = int(self._forward(torch.tensor([ids]), cache, logits_from=-1)[0, -1].argmax())
         for _ in range(max_new):

@@ -20,7 +20,7 @@ part of the unit's request for gate/up dots -> activation -> down accumulation i
 rows use PyTorch ops over the gathered bundles. One forward at a time per engine (shared buffers).
 Greedy decode steps (`decode_greedy`, used by `generate` at temperature 0) take the token from the head screen
 (runtime/head.py) when the engine has one: an int8 copy of the lm_head with error bounds finds the few rows that
-can be the argmax, and only those are computed in the head's dtype; the token is the full logits' argmax.
+can be the argmax, and only those are computed in the head's dtype; the token is the argmax of sf_matvec's full logits.
 """
 
 import json
@@ -34,7 +34,7 @@ from sparseforge.errors import SparseforgeError
 from sparseforge.runtime import kernels
 from sparseforge.runtime.decode import RowDecoder
 from sparseforge.runtime.forward import KVCache, attention, attention_shape, rms_norm, rope_tables, route
-from sparseforge.runtime.head import HeadScreen, screen_bytes, screen_rows_bytes
+from sparseforge.runtime.head import FLOAT_DTYPES, HeadScreen, screen_bytes
 from sparseforge.runtime.sampling import GenerationConfig, make_generator, sample
 from sparseforge.runtime.units import row_bytes
 from sparseforge.runtime.weights import WeightReader, load_unit_predictors, load_weights, predictors_nbytes
@@ -44,7 +44,7 @@ MODES = ("sparse", "oracle", "dense")
 __all__ = ["Engine", "GenerationConfig", "MODES"]
 
 
-def _head_screen(weights, units, threads: int, native: bool, wanted: bool | None) -> HeadScreen | None:
+def _head_screen(weights, plan: dict | None, threads: int, native: bool, wanted: bool | None) -> HeadScreen | None:
     """Engine.load's head_screen choice (see there)."""
     if wanted is False:
         return None
@@ -52,9 +52,8 @@ def _head_screen(weights, units, threads: int, native: bool, wanted: bool | None
     why = None
     if not native:
         why = "the native kernels are off"
-    elif head.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16) or head.bias is not None:
+    elif head.weight.dtype not in FLOAT_DTYPES or head.bias is not None:
         why = f"the lm_head is {str(head.weight.dtype).removeprefix('torch.')}{' with a bias' if head.bias is not None else ''} (a screen needs a float head without bias)"
-    plan = getattr(units, "plan", None)  # a neuron store's placement plan: the screen must be in its reserve
     need = screen_bytes(*head.weight.shape)
     if why is None and plan is not None and plan["always_touched"].get("head_screen", 0) < need:
         why = f"the placement plan reserves {plan['always_touched'].get('head_screen', 0)} B for it, not {need} B (make the plan again)"
@@ -133,7 +132,7 @@ class Engine:
         (default: torch's current setting; when given, torch.set_num_threads(threads) is applied).
         native: use the compiled kernels (default: when they build); False forces the PyTorch ops.
         head_screen: greedy decode steps find the token through an int8 screen of the lm_head (runtime/head.py;
-        same token, a quarter of the float32 head's bytes, +1 byte per head weight of memory). None: when the head
+        the argmax of sf_matvec's logits, a quarter of the float32 head's bytes, +1 byte per head weight of memory). None: when the head
         can have one (float weights, no bias, native kernels) and, under a placement plan, the plan reserved it;
         True: required (an error says why not); False: never."""
         from transformers import AutoTokenizer
@@ -150,12 +149,12 @@ class Engine:
         threads = threads or torch.get_num_threads()
         config = _load_config(ckpt)
         predictors = None
+        plan = getattr(units, "plan", None)  # a neuron store's placement plan: its reserve must hold the predictors and head screen
         if mode == "sparse":
             if not (ckpt / "predictors.json").is_file():
                 raise SparseforgeError(f"{ckpt} has no predictors (predictors.json); train them with `sparseforge predictors train {ckpt}` or use mode='oracle'/'dense'")
             predictor_dtype = predictor_dtype or weight_dtype
             predictors = load_unit_predictors(ckpt, predictor_dtype)
-            plan = getattr(units, "plan", None)  # a neuron store's placement plan: its reserve must hold these predictors
             need = predictors_nbytes(predictors)
             if plan is not None and need > plan["always_touched"]["predictors"]:
                 raise SparseforgeError(
@@ -170,7 +169,7 @@ class Engine:
         native = available if native is None else native
         with torch.inference_mode():
             weights = load_weights(reader, config, mode, units, threads, native, progress)
-            screen = _head_screen(weights, units, threads, native, head_screen)
+            screen = _head_screen(weights, plan, threads, native, head_screen)
         tokenizer = AutoTokenizer.from_pretrained(ckpt, local_files_only=True, trust_remote_code=False)  # needs none of the custom code
         return cls(ckpt, config, tokenizer, weights, predictors, mode, context, threads, weight_dtype, units, native, screen)
 
@@ -229,9 +228,7 @@ class Engine:
         c = self._counters
         c.screened_tokens += 1
         c.screen_candidates += candidates
-        head = self.weights.lm_head
-        head_bytes = screen_rows_bytes(*head.weight.shape) + candidates * head.weight.shape[1] * head.weight.element_size()
-        self._account(1, 1, start, cache, head_bytes)
+        self._account(1, 1, start, cache, self.head_screen.step_bytes + candidates * self.head_screen.row_bytes)
         return nxt
 
     def _account(self, B: int, T: int, start: float, cache: KVCache, head_bytes: int | None = None) -> None:

@@ -76,7 +76,12 @@ class HeadScreen:
             self.qabs[a : a + _CHUNK] = _round_up(sd * q.abs().sum(1) * (1 + 1e-6))
             self.scales[a : a + _CHUNK] = s
             self.q[a : a + _CHUNK] = q.to(torch.int8)
-        self.lib = kernels.native()
+        p = kernels.ptr
+        self._call = kernels.native().sf_head_argmax  # its arguments, but the input, prepared once (decode's hot path)
+        self._head = (p(weight), kernels.DTYPE_CODES[weight.dtype], rows, cols, p(self.q), p(self.scales), p(self.radius), p(self.qabs))
+        self._out = (p(self.approx), p(self.cand), p(self.ncand), threads)
+        self.step_bytes = screen_rows_bytes(rows, cols)  # what a call streams besides its candidates' rows
+        self.row_bytes = cols * weight.element_size()  # one candidate's row
 
     @property
     def nbytes(self) -> int:
@@ -84,14 +89,7 @@ class HeadScreen:
 
     def argmax(self, x: torch.Tensor) -> tuple[int, int]:
         """x: float32 [H], contiguous -> (the greedy token, rows of the head computed exactly)."""
-        rows, cols = self.weight.shape
-        p = kernels.ptr
-        token = self.lib.sf_head_argmax(
-            p(self.weight), kernels.DTYPE_CODES[self.weight.dtype], rows, cols, p(self.q), p(self.scales), p(self.radius), p(self.qabs),
-            p(x), p(self.approx), p(self.cand), p(self.ncand), self.threads,
-        )  # fmt: skip
-        if token < 0:
-            raise MemoryError("sf_head_argmax could not allocate the int16 copy of its input")
+        token = self._call(*self._head, x.data_ptr(), *self._out)
         return int(token), int(self.ncand[0])
 
     def candidates(self) -> torch.Tensor:

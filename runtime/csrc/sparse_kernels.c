@@ -474,8 +474,7 @@ static SF_INLINE int64_t head_argmax_impl(const void *W, const int dtype, int64_
     double l1d = 0.0;
     for (int64_t i = 0; i < cols; i++) l1d += fabs((double)x[i]);
     const float l1 = (float)(l1d * (1.0 + 1e-6));
-    int16_t *xq = malloc(sizeof(int16_t) * (size_t)cols);
-    if (!xq) return -2;
+    int16_t xq[cols];  /* one row, on the stack as in the other kernels' quantized inputs */
     float d;
     const float e = quantize_q16(x, cols, xq, &d);
     float best_lo = -INFINITY;
@@ -499,7 +498,6 @@ static SF_INLINE int64_t head_argmax_impl(const void *W, const int dtype, int64_
             best_lo = fmaxf(best_lo, approx[r] - (radius[r] * l1 + qabs[r] * e));
         }
     }
-    free(xq);
     int64_t n = 0;
     for (int64_t r = 0; r < rows; r++)
         if (approx[r] + (radius[r] * l1 + qabs[r] * e) >= best_lo) cand[n++] = r;
@@ -514,8 +512,7 @@ static SF_INLINE int64_t head_argmax_impl(const void *W, const int dtype, int64_
     return arg;
 }
 
-/* the greedy row of the lm_head (head_argmax_impl); -1 for int8 W (no screen: the head is already int8), -2 when the
- * int16 copy of x could not be allocated */
+/* the greedy row of the lm_head (head_argmax_impl); -1 for int8 W (no screen: the head is already int8) */
 int64_t sf_head_argmax(const void *W, int dtype, int64_t rows, int64_t cols, const int8_t *Q, const float *qs, const float *radius,
                        const float *qabs, const float *x, float *approx, int64_t *cand, int64_t *ncand, int nthreads) {
     switch (dtype) {
