@@ -14,7 +14,10 @@ FAMILIES = list(FAMILY_CLASSES)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.usefixtures("one_thread")
 def test_silu_conversion_equals_original(family):
+    """Bit for bit, on one thread: with two, MKL's split of a matmul can change when the machine is loaded (the
+    Mixtral case differed in the last bit while a training run shared the cores)."""
     model = tiny_model(family)
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
