@@ -13,7 +13,8 @@ its rows are skipped with a note when neither is available. sparseforge oracle (
 row but up rows and down columns only where the neuron fires: the exact output at no predictor cost. PowerInfer
 rows run its `main` binary (--powerinfer) on GGUFs made from this checkpoint and its predictors (docs/benchmarks.md):
 one subprocess per run on the prompt's text, timed by its own "prompt eval" and "eval" lines. Engines alternate
-within each repetition; medians.
+within each repetition; medians. Decoding is greedy; `--temperature` (with `--top-k`, `--top-p`) makes the sparseforge
+and HF rows sample instead (seeded), the llama.cpp and PowerInfer rows stay greedy.
 
 Bytes touched per token: sparseforge's engine counts what its kernels read (weights + KV cache); for the dense
 baselines it is every weight matrix once (the tied embedding once, as the lm_head) + norms + the KV cache at the
@@ -60,7 +61,7 @@ def kv_bytes(ckpt: Path, position: int, elem: int) -> int:
 
 
 class Sparseforge:
-    def __init__(self, ckpt, mode, dtype, context, threads, predictor_dtype=None, head_screen=True):
+    def __init__(self, ckpt, mode, dtype, context, threads, predictor_dtype=None, head_screen=True, sampling=None):
         from sparseforge.runtime.engine import Engine
 
         self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False,
@@ -68,13 +69,13 @@ class Sparseforge:
         self.name = "sparseforge oracle (exact masks)" if mode == "oracle" else f"sparseforge {mode}"
         if not head_screen and self.engine.weights.lm_head.weight.dtype != torch.int8:
             self.name += " (full head)"
-        self.bytes = []
+        self.bytes, self.sampling = [], sampling or {}
 
     def run(self, ids, n):
         from sparseforge.runtime.engine import GenerationConfig
 
         self.engine.reset_stats()
-        out = time_stream(self.engine.generate(ids, GenerationConfig(max_new_tokens=n, stop_ids=())))
+        out = time_stream(self.engine.generate(ids, GenerationConfig(max_new_tokens=n, stop_ids=(), **self.sampling)))
         stats = self.engine.stats()
         self.bytes.append(stats["bytes_touched_per_decode_token"])
         self.computed, self.fired = stats["neurons_computed_fraction"], stats["neurons_fired_fraction"]
@@ -85,17 +86,20 @@ class Sparseforge:
 
 
 class HFGenerate:
-    def __init__(self, ckpt, dtype, bytes_per_token, label: str = "", **load_options):
+    def __init__(self, ckpt, dtype, bytes_per_token, label: str = "", sampling=None, **load_options):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(ckpt, trust_remote_code=True, dtype=dtype, **load_options).eval()
         self.name, self._bytes = f"HF generate ({str(dtype).removeprefix('torch.')}{label})", bytes_per_token
+        s = sampling or {}
+        self.kw = dict(do_sample=True, temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"]) if s else dict(do_sample=False)
 
     def run(self, ids, n):
         import time
 
         x = torch.tensor([ids])
-        kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+        kw = dict(pad_token_id=0, eos_token_id=None, **self.kw)
+        torch.manual_seed(0)
         with torch.inference_mode():
             t = time.perf_counter()
             self.model.generate(x, max_new_tokens=1, min_new_tokens=1, **kw)
@@ -260,27 +264,31 @@ def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list
     """(precision, engine) in table order; `text` is the prompt as text, for PowerInfer's GGUFs `ggufs`."""
     position = args.prompt_tokens + args.new_tokens // 2
     context = args.prompt_tokens + args.new_tokens + 8
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=0) if args.temperature > 0 else None
     out = []
     for prec in args.precisions:
         dtype, hf_dtype, gguf_type = PRECISIONS[prec]
         for mode in ("sparse", "oracle", "dense"):
-            out.append((prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, args.head != "full")))
+            out.append((prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, args.head != "full", sampling)))
         if args.head == "both" and dtype != "int8":  # int8 heads have no screen
-            out += [(prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, False))
+            out += [(prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, False, sampling))
                     for mode in ("sparse", "dense")]  # fmt: skip
         if hf_dtype is not None and not args.no_hf:
             elem = 4 if hf_dtype == torch.float32 else 2
-            out.append((prec, HFGenerate(ckpt, hf_dtype, dense_bytes(ckpt, elem) + kv_bytes(ckpt, position, elem))))
+            out.append((prec, HFGenerate(ckpt, hf_dtype, dense_bytes(ckpt, elem) + kv_bytes(ckpt, position, elem), sampling=sampling)))
         llama = None if args.no_llama_cpp else llama_cpp_contestant(args, ckpt, gguf_type, position, context, notes)
         if llama is not None:
             out.append((prec, llama))
         out += [(prec, PowerInfer(Path(args.powerinfer), path, label, text, context, args.threads)) for label, path in ggufs if POWERINFER_TYPES[label][0] == prec]
     if args.predictor_dtype:
         notes.append(f"sparseforge sparse: {args.predictor_dtype} predictors (--predictor-dtype)")
+    if sampling:
+        notes.append(f"sparseforge and HF rows sample (temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, seed 0); "
+                     "llama.cpp and PowerInfer rows decode greedily")  # fmt: skip
     if args.head != "full":
-        notes.append("sparseforge rows: greedy steps take the token through the lm_head's int8 screen (runtime/head.py; float heads), "
+        notes.append("sparseforge rows: decode steps take the token through the lm_head's int8 screen (runtime/head.py; float heads), "
                      "rows marked (full head) read the whole head" if args.head == "both" else
-                     "sparseforge rows: greedy steps take the token through the lm_head's int8 screen (runtime/head.py; float heads)")  # fmt: skip
+                     "sparseforge rows: decode steps take the token through the lm_head's int8 screen (runtime/head.py; float heads)")  # fmt: skip
     else:
         notes.append("sparseforge rows: every step reads the whole lm_head (--head full)")
     if not args.powerinfer:
@@ -303,8 +311,12 @@ def main() -> None:
     p.add_argument("--predictor-dtype", choices=list(WEIGHT_DTYPES), default=None,
                    help="dtype of the sparse rows' predictors (default: each row's weight dtype)")
     p.add_argument("--head", choices=("screen", "full", "both"), default="screen",
-                   help="sparseforge's greedy steps: through the lm_head's int8 screen (same tokens, runtime/head.py), reading the "
+                   help="sparseforge's decode steps: through the lm_head's int8 screen (same tokens, runtime/head.py), reading the "
                    "whole head, or both (extra sparse and dense rows marked '(full head)')")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy decoding; above 0 the sparseforge and HF rows sample (seed 0) at this temperature")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: keep the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling (1: off)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
     p.add_argument("--llama-bench", default=None, metavar="PATH", help="a llama-bench binary to use instead of llama-cpp-python")

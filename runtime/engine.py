@@ -18,9 +18,11 @@ A batch-1 one-token forward (decode) runs on native kernels (runtime/decode.py, 
 layer one call for the attention block, one for the predictor (ids of the predicted neurons) and one per
 part of the unit's request for gate/up dots -> activation -> down accumulation into the residual. Several
 rows use PyTorch ops over the gathered bundles. One forward at a time per engine (shared buffers).
-Greedy decode steps (`decode_greedy`, used by `generate` at temperature 0) take the token from the head screen
-(runtime/head.py) when the engine has one: an int8 copy of the lm_head with error bounds finds the few rows that
-can be the argmax, and only those are computed in the head's dtype; the token is the argmax of sf_matvec's full logits.
+Decode steps of `generate` (`decode_greedy` at temperature 0, `decode_sample` otherwise) take the token from the
+head screen (runtime/head.py) when the engine has one: an int8 copy of the lm_head with error bounds finds the few
+rows that can be the argmax (of the logits, or of the scaled logits plus the sampler's Gumbel noise, or the top-k),
+and only those are computed in the head's dtype; the token is the one sf_matvec's full logits give (top-p without
+top-k reads the whole head).
 """
 
 import json
@@ -34,8 +36,8 @@ from sparseforge.errors import SparseforgeError
 from sparseforge.runtime import kernels
 from sparseforge.runtime.decode import RowDecoder
 from sparseforge.runtime.forward import KVCache, attention, attention_shape, rms_norm, rope_tables, route
-from sparseforge.runtime.head import FLOAT_DTYPES, HeadScreen, screen_bytes
-from sparseforge.runtime.sampling import GenerationConfig, make_generator, sample
+from sparseforge.runtime.head import FLOAT_DTYPES, MAX_TOP_K, HeadScreen, screen_bytes
+from sparseforge.runtime.sampling import GenerationConfig, gumbel_noise, make_generator, pick, sample
 from sparseforge.runtime.units import row_bytes
 from sparseforge.runtime.weights import WeightReader, load_unit_predictors, load_weights, predictors_nbytes
 from sparseforge.sparsify.hf_code.modeling_sparseforge import GatedActivation
@@ -90,7 +92,7 @@ class _Counters:
         self.row_neurons = 0  # neurons computed by native single-row MLPs
         self.row_counts = torch.zeros(2, dtype=torch.long)  # their up rows and down columns read (sf_sparse_mlp)
         self.row_bytes = 0  # bytes of one bundle row (+ its int8 scale)
-        self.screened_tokens = self.screen_candidates = 0  # greedy steps through the head screen; head rows they computed
+        self.screened_tokens = self.screen_candidates = 0  # decode steps through the head screen; head rows they computed
 
     def row_weight_bytes(self) -> int:
         """Bytes the native MLP rows read: every gate row, plus up rows and down columns where needed."""
@@ -220,16 +222,47 @@ class Engine:
         """Append `token` to a batch-1 cache and return the greedy next token: the argmax of the logits
         `forward` would return, through the head screen when the engine has one (without it, the argmax of
         forward's logits)."""
-        if self.head_screen is None or cache.batch != 1 or cache.length + 1 > cache.context:
+        if not self._screens(cache):
             return int(torch.argmax(self.forward(torch.tensor([[token]]), cache)[0, -1]))
         start = time.perf_counter()
         self._row.layers(int(token), cache)
-        nxt, candidates = self.head_screen.argmax(self._row.xn)
+        nxt, _ = self.head_screen.argmax(self._row.xn)
+        self._account_screen(start, cache)
+        return nxt
+
+    @torch.inference_mode()
+    def decode_sample(self, token: int, cache: KVCache, config: GenerationConfig, generator: torch.Generator) -> int:
+        """Append `token` to a batch-1 cache and return the next token sampled as `sample(forward's logits,
+        config, generator)` would (one Gumbel draw of `generator` per step), through the head screen when the
+        engine has one and the filters allow: temperature alone, or top-k up to MAX_TOP_K (with or without top-p).
+        Top-p alone needs every logit: the whole head is read."""
+        if config.temperature == 0:
+            return self.decode_greedy(token, cache)
+        vocab = self.weights.lm_head.weight.shape[0]
+        top_k = config.top_k if 0 < config.top_k < vocab else 0  # as filter_logits: k >= V filters nothing
+        if not self._screens(cache) or top_k > MAX_TOP_K or (top_k == 0 and config.top_p < 1.0):
+            return sample(self.forward(torch.tensor([[token]]), cache)[0, -1], config, generator)
+        start = time.perf_counter()
+        self._row.layers(int(token), cache)
+        noise = gumbel_noise(vocab, generator)
+        if top_k:
+            nxt = pick(self.head_screen.top_k_logits(self._row.xn, top_k), config, noise)
+        else:
+            nxt = self.head_screen.noisy_argmax(self._row.xn, noise, config.temperature)
+        self._account_screen(start, cache)
+        return nxt
+
+    def _screens(self, cache: KVCache) -> bool:
+        """Whether the next decode step of `cache` can go through the head screen."""
+        return self.head_screen is not None and cache.batch == 1 and cache.length + 1 <= cache.context
+
+    def _account_screen(self, start: float, cache: KVCache) -> None:
+        """_account for a step through the head screen: the screen and its candidates' rows instead of the head."""
+        candidates = int(self.head_screen.ncand[0])
         c = self._counters
         c.screened_tokens += 1
         c.screen_candidates += candidates
         self._account(1, 1, start, cache, self.head_screen.step_bytes + candidates * self.head_screen.row_bytes)
-        return nxt
 
     def _account(self, B: int, T: int, start: float, cache: KVCache, head_bytes: int | None = None) -> None:
         """Count a forward's tokens and time (T == 1: decode, with its always-touched and KV bytes; head_bytes:
@@ -428,10 +461,7 @@ class Engine:
             yield token
             if token in stop or step + 1 == config.max_new_tokens or cache.length >= self.context:
                 return
-            if config.temperature == 0:
-                token = self.decode_greedy(token, cache)
-            else:
-                token = sample(self.forward(torch.tensor([[token]]), cache)[0, -1], config, generator)
+            token = self.decode_sample(token, cache, config, generator)
 
     # -- statistics ----------------------------------------------------------------------------------------
 

@@ -17,8 +17,12 @@ candidates' logits are computed with sf_matvec's operations in its order (csrc `
 argmax of the full sf_matvec logits bit for bit, ties to the lowest id as torch.argmax. On the stage-3 SmolLM2
 decodes 3.6 rows per token were candidates on average, 38 at most (docs/runtime.md "Head screen").
 
-Only greedy steps use it; sampling with a temperature needs every logit and reads the whole head. float32,
-bfloat16 and float16 heads without a bias get one; an int8 head is already as small as its screen would be.
+Sampled steps use it too (runtime/sampling.py draws a token as the argmax of the filtered logits / T plus Gumbel
+noise, one value per row): without top-k/top-p the candidates are the rows whose bounds of y_v / T + g_v reach the
+largest lower bound, with top-k (up to MAX_TOP_K) the rows whose upper bound reaches the k-th largest lower bound (the
+k largest logits are among them, so top-p inside them is exact too). Top-p without top-k needs every logit and reads
+the whole head. float32, bfloat16 and float16 heads without a bias get a screen; an int8 head is already as small as
+its screen would be.
 """
 
 import torch
@@ -26,6 +30,7 @@ import torch
 from sparseforge.runtime import kernels
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_TOP_K = 1024  # top-k screens up to this k (csrc SF_HEAD_TOPK); a larger k reads the whole head
 _CHUNK = 4096  # rows quantized at a time (float64 work space: chunk x columns x 8 bytes)
 
 
@@ -77,7 +82,7 @@ class HeadScreen:
             self.scales[a : a + _CHUNK] = s
             self.q[a : a + _CHUNK] = q.to(torch.int8)
         p = kernels.ptr
-        self._call = kernels.native().sf_head_argmax  # its arguments, but the input, prepared once (decode's hot path)
+        self._call = kernels.native().sf_head_screen  # its arguments, but the input and the rule, prepared once (decode's hot path)
         self._head = (p(weight), kernels.DTYPE_CODES[weight.dtype], rows, cols, p(self.q), p(self.scales), p(self.radius), p(self.qabs))
         self._out = (p(self.approx), p(self.cand), p(self.ncand), threads)
         self.step_bytes = screen_rows_bytes(rows, cols)  # what a call streams besides its candidates' rows
@@ -89,8 +94,24 @@ class HeadScreen:
 
     def argmax(self, x: torch.Tensor) -> tuple[int, int]:
         """x: float32 [H], contiguous -> (the greedy token, rows of the head computed exactly)."""
-        token = self._call(*self._head, x.data_ptr(), *self._out)
+        token = self._call(*self._head, x.data_ptr(), None, 1.0, 0, *self._out)
         return int(token), int(self.ncand[0])
+
+    def noisy_argmax(self, x: torch.Tensor, noise: torch.Tensor, temperature: float) -> int:
+        """The token argmax_v (y_v / temperature + noise_v) with y = W x as sf_matvec computes it, the division and
+        the sum in float32 as torch does them (sampling.pick). noise: float32 [V], contiguous; temperature > 0."""
+        if self._call(*self._head, x.data_ptr(), noise.data_ptr(), float(temperature), 0, *self._out) == -2:
+            raise ValueError(f"temperature {temperature} is not positive: a sampled step needs temperature > 0")
+        cand = self.candidates()
+        return int(cand[torch.argmax(self.approx[cand] / temperature + noise[cand])])
+
+    def top_k_logits(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """float32 [V]: y = W x's k largest values (and every value tied with the k-th) as sf_matvec computes them,
+        and a few more rows near them; -inf everywhere else. 1 <= k <= MAX_TOP_K."""
+        if not 1 <= k <= MAX_TOP_K or self._call(*self._head, x.data_ptr(), None, 1.0, k, *self._out) == -2:
+            raise ValueError(f"top_k={k} is outside 1..{MAX_TOP_K}, what a head screen selects")
+        cand = self.candidates()
+        return torch.full_like(self.approx, float("-inf")).index_copy_(0, cand, self.approx[cand])
 
     def candidates(self) -> torch.Tensor:
         """The last argmax call's candidate rows (ascending); `approx` holds their exact logits and every other

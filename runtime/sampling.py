@@ -57,9 +57,22 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return logits
 
 
+def gumbel_noise(n: int, generator: torch.Generator) -> torch.Tensor:
+    """float32 [n] of standard Gumbel noise, -log(-log(u)) for u uniform in [tiny, 1): finite, one draw of the
+    generator per sampled token."""
+    u = torch.rand(n, generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
+    return u.log_().neg_().log_().neg_()
+
+
+def pick(logits: torch.Tensor, config: GenerationConfig, noise: torch.Tensor) -> int:
+    """argmax of the filtered, temperature-scaled logits plus Gumbel noise: a draw from
+    softmax(filter_logits(logits)), lowest id on ties (the Gumbel-max trick)."""
+    return int(torch.argmax(filter_logits(logits, config.temperature, config.top_k, config.top_p) + noise))
+
+
 def sample(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> int:
-    """One token id from logits [V]."""
+    """One token id from logits [V]: greedy at temperature 0, else `pick` with fresh noise. A decode step through
+    the head screen (Engine) draws the same noise and picks the same token from fewer rows of the head."""
     if config.temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(filter_logits(logits, config.temperature, config.top_k, config.top_p), dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return pick(logits, config, gumbel_noise(logits.numel(), generator))

@@ -1,6 +1,7 @@
 """The head screen (runtime/head.py): its token is the argmax of sf_matvec's logits, bit for bit, for every float
-head dtype, ragged shapes and ties; its error radius holds; greedy decoding through it gives the unscreened tokens;
-an engine under a placement plan builds it only when the plan reserved it."""
+head dtype, ragged shapes and ties, and so is its sampled token (Gumbel-max, with and without top-k / top-p); its
+error radius holds; greedy and sampled decoding through it give the unscreened tokens; an engine under a placement
+plan builds it only when the plan reserved it."""
 
 import pytest
 import torch
@@ -10,8 +11,9 @@ from tiny import tiny_tokenizer
 from sparseforge.errors import SparseforgeError
 from sparseforge.runtime import kernels
 from sparseforge.runtime.engine import Engine, GenerationConfig
-from sparseforge.runtime.head import HeadScreen, screen_bytes
+from sparseforge.runtime.head import MAX_TOP_K, HeadScreen, screen_bytes
 from sparseforge.runtime.plan import PlanRequest, make_plan, parse_size
+from sparseforge.runtime.sampling import gumbel_noise, pick
 from sparseforge.runtime.store import tiered_units
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.skipif(kernels.native() is None, reason="needs the native kernels")]
@@ -28,18 +30,27 @@ def _full(w, x, threads=2):
     return kernels.matvec_native(w, None, None, x[None].contiguous(), threads)[0]
 
 
+def _random_head(dtype, rows, cols, seed):
+    """A random head whose row scales vary (uniform factors), its screen on 2 threads, and the generator."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g)).to(dtype)
+    return g, w, HeadScreen(w, threads=2)
+
+
+def _inputs(g, cols, n):
+    """n random inputs at scales 0.1, 1, 10, 100 in turn."""
+    return [torch.randn(cols, generator=g) * (10.0 ** (k % 4 - 1)) for k in range(n)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,cols", [(1003, 72), (4096, 64), (37, 13)])
 def test_screened_argmax_is_the_full_logits_argmax(dtype, rows, cols):
     """Random heads (rows not a multiple of 4, columns with a tail), inputs of several scales, 2 threads: the token
     is torch.argmax of sf_matvec's logits, the candidates' logits are sf_matvec's bit for bit, and the candidates
     are a small part of the head."""
-    g = torch.Generator().manual_seed(rows + cols)
-    w = (torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g)).to(dtype)
-    screen = HeadScreen(w, threads=2)
+    g, w, screen = _random_head(dtype, rows, cols, seed=rows + cols)
     counts = []
-    for k in range(40):
-        x = torch.randn(cols, generator=g) * (10.0 ** (k % 4 - 1))
+    for x in _inputs(g, cols, 40):
         y = _full(w, x)
         token, n = screen.argmax(x)
         assert token == int(torch.argmax(y))
@@ -48,6 +59,51 @@ def test_screened_argmax_is_the_full_logits_argmax(dtype, rows, cols):
         assert torch.equal(screen.approx[cand], y[cand])  # the candidates' logits, computed as sf_matvec does
         counts.append(n)
     assert sum(counts) / len(counts) < rows / 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_screened_samples_are_the_full_logits_samples(dtype):
+    """For the same Gumbel noise, the screened token is the one `pick` takes from sf_matvec's full logits: at
+    temperatures from 0.3 to 2.5, alone (few candidates) and with top-k (1 to MAX_TOP_K) and top-p, whose logits are
+    sf_matvec's bit for bit for every row that survives the filters."""
+    rows, cols = 1003, 72
+    g, w, screen = _random_head(dtype, rows, cols, seed=7)
+    alone = []
+    for x in _inputs(g, cols, 24):
+        y = _full(w, x)
+        for t in (0.3, 1.0, 2.5):
+            noise = gumbel_noise(rows, g)
+            assert screen.noisy_argmax(x, noise, t) == pick(y, GenerationConfig(temperature=t), noise)
+            alone.append(int(screen.ncand[0]))
+            for top_k, top_p in ((1, 1.0), (20, 1.0), (50, 0.9), (MAX_TOP_K, 0.5)):
+                logits = screen.top_k_logits(x, top_k)
+                kept = torch.isfinite(logits)
+                assert int(kept.sum()) >= min(top_k, rows) and torch.equal(logits[kept], y[kept])
+                config = GenerationConfig(temperature=t, top_k=top_k, top_p=top_p)
+                assert pick(logits, config, noise) == pick(y, config, noise)
+    assert sum(alone) / len(alone) < 4
+
+
+def test_sampled_ties_go_to_the_lowest_id():
+    """Rows with equal logits and equal noise tie on the score: the lowest id wins, as torch.argmax."""
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(2)) * 0.01
+    w[33] = w[12] = torch.full((32,), 0.5)
+    screen, x = HeadScreen(w, threads=2), torch.ones(32)
+    noise = torch.zeros(64)
+    assert screen.noisy_argmax(x, noise, 1.0) == pick(_full(w, x), GenerationConfig(temperature=1.0), noise) == 12
+
+
+def test_gumbel_max_draws_follow_the_softmax():
+    """4,000 seeded draws through the screen against softmax(logits / t) of a 6-row head: every frequency within
+    0.03 of its probability (the standard error is below 0.008), and the noise is finite."""
+    w = torch.tensor([[3.0], [2.5], [2.0], [0.0], [-1.0], [-2.0]])
+    screen, x, g = HeadScreen(w, threads=1), torch.ones(1), torch.Generator().manual_seed(11)
+    counts = torch.zeros(6)
+    for _ in range(4000):
+        noise = gumbel_noise(6, g)
+        assert bool(torch.isfinite(noise).all())
+        counts[screen.noisy_argmax(x, noise, 1.5)] += 1
+    assert float((counts / 4000 - torch.softmax(w[:, 0] / 1.5, 0)).abs().max()) < 0.03
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -105,9 +161,15 @@ def test_a_zero_input_makes_every_row_a_candidate_and_row_0_wins():
 
 def test_screen_bytes_and_refusals():
     w = torch.randn(100, 16)
-    assert HeadScreen(w, 1).nbytes == screen_bytes(100, 16) == 100 * 16 + 100 * 24
+    screen, x = HeadScreen(w, 1), torch.randn(16)
+    assert screen.nbytes == screen_bytes(100, 16) == 100 * 16 + 100 * 24
     with pytest.raises(ValueError, match="needs a float32, bfloat16 or float16 head, not torch.int8"):
         HeadScreen(w.to(torch.int8), 1)
+    with pytest.raises(ValueError, match=f"top_k=1025 is outside 1..{MAX_TOP_K}"):
+        screen.top_k_logits(x, MAX_TOP_K + 1)
+    with pytest.raises(ValueError, match="temperature 0.0 is not positive"):
+        screen.noisy_argmax(x, torch.zeros(100), 0.0)
+    assert bool(torch.isfinite(screen.top_k_logits(x, 500)).all())  # k above the rows: every row
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -125,8 +187,23 @@ def test_greedy_generation_through_the_screen_gives_the_unscreened_tokens(llama,
     assert s_on["resident_weight_bytes"] == s_off["resident_weight_bytes"] + screen_bytes(*head.shape)
     saved = head.numel() * head.element_size() - head.numel() - 16 * head.shape[0]
     assert s_off["bytes_touched_per_decode_token"] - s_on["bytes_touched_per_decode_token"] > saved * 0.5
-    sampled = GenerationConfig(max_new_tokens=12, temperature=0.8, top_k=20, seed=5, stop_ids=())
-    assert list(on.generate(prompt, sampled)) == list(off.generate(prompt, sampled))  # sampling reads the whole head
+
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_sampled_generation_through_the_screen_gives_the_unscreened_tokens(llama, dtype, mode):
+    """Seeded sampling with temperature alone, top-k, top-k + top-p (screened) and top-p alone (the whole head): the
+    same tokens with and without the screen, and only the screened settings count screened steps."""
+    prompt = tiny_tokenizer()("The quick brown fox jumps")["input_ids"]
+    on = Engine.load(llama, mode=mode, weight_dtype=dtype, context=64, progress=False)
+    off = Engine.load(llama, mode=mode, weight_dtype=dtype, context=64, progress=False, head_screen=False)
+    for top_k, top_p, screened in ((0, 1.0, True), (20, 1.0, True), (40, 0.8, True), (0, 0.8, False)):
+        config = GenerationConfig(max_new_tokens=16, temperature=0.9, top_k=top_k, top_p=top_p, seed=5, stop_ids=())
+        on.reset_stats()
+        tokens = list(on.generate(prompt, config))
+        assert tokens == list(off.generate(prompt, config)) and len(set(tokens)) > 1
+        assert (on.stats()["head_rows_per_screened_token"] is not None) == screened
 
 
 def test_engine_screen_choices(llama):

@@ -459,67 +459,130 @@ static SF_INLINE void dot4_i8i16(const int8_t *w0, const int8_t *w1, const int8_
     for (int k = 0; k < 4; k++) out[k] = s[k];
 }
 
-/* argmax_r of y = W x as sf_matvec computes it (W [rows, cols] float32/bfloat16/float16, no scales or bias), lowest r on
- * ties, without reading most of W. Q [rows, cols] is W in int8 with per-row scales qs; x is rounded to int16 with one
- * scale d (error at most e per element), and the screened value qs[r] d (Q[r] . q) is within
+/* a min-heap of the k largest values pushed so far: h[0] is the smallest of them, *n how many it holds (<= k) */
+static void keep_largest(float *h, int64_t *n, int64_t k, float v) {
+    int64_t i;
+    if (*n < k) {
+        for (i = (*n)++; i > 0 && h[(i - 1) / 2] > v; i = (i - 1) / 2) h[i] = h[(i - 1) / 2];
+    } else if (v > h[0]) {
+        for (i = 0;;) {
+            int64_t c = 2 * i + 1;
+            if (c >= k) break;
+            if (c + 1 < k && h[c + 1] < h[c]) c++;
+            if (h[c] >= v) break;
+            h[i] = h[c], i = c;
+        }
+    } else {
+        return;
+    }
+    h[i] = v;
+}
+
+/* bounds of the sampled score fl(fl(y / t) + g) of a row whose value y lies in [a - b, a + b]: exact arithmetic in
+ * double widened by 4u (|y| / t + |g|), which covers both float32 roundings (and a division done as a
+ * multiplication by 1 / t); g = -inf gives -inf */
+static SF_INLINE double score_bound(float a, float b, float g, double t, int upper) {
+    if (isinf(g) && g < 0) return -INFINITY;
+    double y = upper ? (double)a + b : (double)a - b;
+    double slack = 4.0 * 5.9604644775390625e-8 * ((fabs((double)a) + b) / t + fabs((double)g)) + 1e-37;
+    return upper ? y / t + g + slack : y / t + g - slack;
+}
+
+/* The rows of y = W x (as sf_matvec computes it; W [rows, cols] float32/bfloat16/float16, no scales or bias) that a
+ * decode step needs, without reading most of W. Q [rows, cols] is W in int8 with per-row scales qs; x is rounded to
+ * int16 with one scale d (error at most e per element), and the screened value qs[r] d (Q[r] . q) is within
  *     radius[r] |x|_1 + qabs[r] e
  * of y[r]: radius bounds the rounding of W to Q plus the float error of both sums, qabs[r] = qs[r] sum_j |Q[r, j]|
- * (runtime/head.py). Every row whose interval reaches the largest lower bound is a candidate; the true argmax is one
- * of them (its upper bound is at least its value, which is at least every row's lower bound), so only the candidates'
- * rows of W are read, each with the operations sf_matvec uses. approx: float [rows], the screened values, with the
- * candidates' exact logits in their places; cand: int64 [rows] receives the candidates (ascending), *ncand their count. */
-static SF_INLINE int64_t head_argmax_impl(const void *W, const int dtype, int64_t rows, int64_t cols, const int8_t *Q, const float *qs,
-                                          const float *radius, const float *qabs, const float *x, float *approx, int64_t *cand,
-                                          int64_t *ncand, int nthreads) {
+ * (runtime/head.py). The candidates are the rows that can matter, under one of three rules:
+ *   - greedy (noise NULL, topk 0): rows whose interval reaches the largest lower bound; the argmax is one of them
+ *     (its upper bound is at least its value, which is at least every row's lower bound). Returns the argmax,
+ *     lowest r on ties.
+ *   - sampling by Gumbel-max (noise [rows], temperature t > 0): rows whose upper bound of y / t + noise reaches the
+ *     largest lower bound of it (score_bound), which holds the argmax of the noisy scores the same way. Returns -1.
+ *   - top-k (topk in 1..SF_HEAD_TOPK): rows whose upper bound reaches the k-th largest lower bound; every row outside
+ *     is below at least k rows, so the k largest (and every value tied with the k-th) are among them. Returns -1.
+ * Only the candidates' rows of W are read, each with the operations sf_matvec uses (head_row). approx: float [rows],
+ * the screened values, with the candidates' exact logits in their places; cand: int64 [rows] receives the
+ * candidates (ascending), *ncand their count. */
+#define SF_HEAD_TOPK 1024
+static SF_INLINE int64_t head_screen_impl(const void *W, const int dtype, int64_t rows, int64_t cols, const int8_t *Q, const float *qs,
+                                          const float *radius, const float *qabs, const float *x, const float *noise, double t,
+                                          int64_t topk, float *approx, int64_t *cand, int64_t *ncand, int nthreads) {
     double l1d = 0.0;
     for (int64_t i = 0; i < cols; i++) l1d += fabs((double)x[i]);
     const float l1 = (float)(l1d * (1.0 + 1e-6));
     int16_t xq[cols];  /* one row, on the stack as in the other kernels' quantized inputs */
     float d;
     const float e = quantize_q16(x, cols, xq, &d);
-    float best_lo = -INFINITY;
+    float best_lo = -INFINITY, top[topk > 0 ? topk : 1];  /* greedy: the largest lower bound; top-k: the k largest */
+    double best_score = -INFINITY;                          /* sampling: the largest lower bound of the scores */
+    int64_t ntop = 0;
     const int64_t blocks = (rows + 3) / 4;
-#pragma omp parallel for schedule(guided) num_threads(threads_for(nthreads, rows)) reduction(max : best_lo)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        int64_t r0 = blk * 4;
-        const int8_t *w = Q + r0 * cols;
-        int64_t o[4];
-        if (r0 + 4 <= rows) {
-            const char *next[4] = {(const char *)(w + 4 * cols), (const char *)(w + 5 * cols), (const char *)(w + 6 * cols),
-                                   (const char *)(w + 7 * cols)};
-            dot4_i8i16(w, w + cols, w + 2 * cols, w + 3 * cols, xq, cols, o, r0 + 8 <= rows ? next : NULL);
-        } else {  /* the last rows: the same exact sums, repeating the last row where there are fewer than 4 */
-            const int8_t *last = Q + (rows - 1) * cols;
-            dot4_i8i16(w, r0 + 1 < rows ? w + cols : last, r0 + 2 < rows ? w + 2 * cols : last, r0 + 3 < rows ? w + 3 * cols : last, xq,
-                       cols, o, NULL);
+#pragma omp parallel num_threads(threads_for(nthreads, rows))
+    {
+        float lo = -INFINITY, mine[topk > 0 ? topk : 1];
+        double score = -INFINITY;
+        int64_t nmine = 0;
+#pragma omp for schedule(guided) nowait
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            int64_t r0 = blk * 4;
+            const int8_t *w = Q + r0 * cols;
+            int64_t o[4];
+            if (r0 + 4 <= rows) {
+                const char *next[4] = {(const char *)(w + 4 * cols), (const char *)(w + 5 * cols), (const char *)(w + 6 * cols),
+                                       (const char *)(w + 7 * cols)};
+                dot4_i8i16(w, w + cols, w + 2 * cols, w + 3 * cols, xq, cols, o, r0 + 8 <= rows ? next : NULL);
+            } else {  /* the last rows: the same exact sums, repeating the last row where there are fewer than 4 */
+                const int8_t *last = Q + (rows - 1) * cols;
+                dot4_i8i16(w, r0 + 1 < rows ? w + cols : last, r0 + 2 < rows ? w + 2 * cols : last, r0 + 3 < rows ? w + 3 * cols : last, xq,
+                           cols, o, NULL);
+            }
+            for (int64_t r = r0; r < r0 + 4 && r < rows; r++) {
+                approx[r] = qs[r] * d * (float)o[r - r0];
+                const float b = radius[r] * l1 + qabs[r] * e;
+                if (noise)
+                    score = fmax(score, score_bound(approx[r], b, noise[r], t, 0));
+                else if (topk)
+                    keep_largest(mine, &nmine, topk, approx[r] - b);
+                else
+                    lo = fmaxf(lo, approx[r] - b);
+            }
         }
-        for (int64_t r = r0; r < r0 + 4 && r < rows; r++) {
-            approx[r] = qs[r] * d * (float)o[r - r0];
-            best_lo = fmaxf(best_lo, approx[r] - (radius[r] * l1 + qabs[r] * e));
+#pragma omp critical
+        {
+            best_lo = fmaxf(best_lo, lo), best_score = fmax(best_score, score);
+            for (int64_t i = 0; i < nmine; i++) keep_largest(top, &ntop, topk, mine[i]);
         }
     }
+    if (topk) best_lo = ntop == topk ? top[0] : -INFINITY;
     int64_t n = 0;
-    for (int64_t r = 0; r < rows; r++)
-        if (approx[r] + (radius[r] * l1 + qabs[r] * e) >= best_lo) cand[n++] = r;
-    /* the candidates' exact logits: a few rows as a rule (one thread), many only for degenerate inputs (x = 0) */
+    for (int64_t r = 0; r < rows; r++) {
+        const float b = radius[r] * l1 + qabs[r] * e;
+        if (noise ? score_bound(approx[r], b, noise[r], t, 1) >= best_score : approx[r] + b >= best_lo) cand[n++] = r;
+    }
+    /* the candidates' exact logits: a few rows as a rule (one thread), many for top-k or degenerate inputs (x = 0) */
 #pragma omp parallel for schedule(static) num_threads(n > 256 ? (nthreads < 1 ? 1 : nthreads) : 1)
     for (int64_t k = 0; k < n; k++) approx[cand[k]] = head_row(W, dtype, rows, cols, x, cand[k]);
+    *ncand = n;
+    if (noise || topk) return -1;
     int64_t arg = n ? cand[0] : 0;
     float best = -INFINITY;
     for (int64_t k = 0; k < n; k++)
         if (approx[cand[k]] > best || k == 0) best = approx[cand[k]], arg = cand[k];
-    *ncand = n;
     return arg;
 }
 
-/* the greedy row of the lm_head (head_argmax_impl); -1 for int8 W (no screen: the head is already int8) */
-int64_t sf_head_argmax(const void *W, int dtype, int64_t rows, int64_t cols, const int8_t *Q, const float *qs, const float *radius,
-                       const float *qabs, const float *x, float *approx, int64_t *cand, int64_t *ncand, int nthreads) {
+/* the rows of the lm_head a decode step needs (head_screen_impl): greedy returns the token, the other rules -1;
+ * -2 for int8 W (no screen: the head is already int8) or a top-k outside 0..SF_HEAD_TOPK or t <= 0 with noise */
+int64_t sf_head_screen(const void *W, int dtype, int64_t rows, int64_t cols, const int8_t *Q, const float *qs, const float *radius,
+                       const float *qabs, const float *x, const float *noise, double t, int64_t topk, float *approx, int64_t *cand,
+                       int64_t *ncand, int nthreads) {
+    if (topk < 0 || topk > SF_HEAD_TOPK || (noise && (topk || !(t > 0.0)))) return -2;
     switch (dtype) {
-    case SF_F32: return head_argmax_impl(W, SF_F32, rows, cols, Q, qs, radius, qabs, x, approx, cand, ncand, nthreads);
-    case SF_BF16: return head_argmax_impl(W, SF_BF16, rows, cols, Q, qs, radius, qabs, x, approx, cand, ncand, nthreads);
-    case SF_F16: return head_argmax_impl(W, SF_F16, rows, cols, Q, qs, radius, qabs, x, approx, cand, ncand, nthreads);
-    default: return -1;
+    case SF_F32: return head_screen_impl(W, SF_F32, rows, cols, Q, qs, radius, qabs, x, noise, t, topk, approx, cand, ncand, nthreads);
+    case SF_BF16: return head_screen_impl(W, SF_BF16, rows, cols, Q, qs, radius, qabs, x, noise, t, topk, approx, cand, ncand, nthreads);
+    case SF_F16: return head_screen_impl(W, SF_F16, rows, cols, Q, qs, radius, qabs, x, noise, t, topk, approx, cand, ncand, nthreads);
+    default: return -2;
     }
 }
 
