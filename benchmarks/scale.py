@@ -39,17 +39,13 @@ SHAPES = {  # Llama-family shapes: SmolLM2-135M, Llama-3.2-1B, Llama-3.2-3B, Qwe
 }
 
 
-def tokenizer_source() -> Path:
-    """Any Llama tokenizer will do (prompts are random ids); the repository's SmolLM2 checkpoint has one."""
-    return Path(__file__).resolve().parents[1] / "runs" / "smollm2-135m-drelu"
-
-
 def build_checkpoint(shape: str, work: Path) -> Path:
     """A random-init Llama of `shape` as a sparse checkpoint with SwiGLU kept (module docstring), float16, written
     once to work/<shape>-silu."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from sparseforge.checkpoint import save_sparse
+    from sparseforge.sources import load_tokenizer
     from sparseforge.sparsify.convert import convert_model
 
     out = work / f"{shape}-silu"
@@ -64,7 +60,7 @@ def build_checkpoint(shape: str, work: Path) -> Path:
     finally:
         torch.set_default_dtype(before)
     model.config.dtype = torch.float16
-    save_sparse(convert_model(model, "silu"), AutoTokenizer.from_pretrained(tokenizer_source(), trust_remote_code=True), out)
+    save_sparse(convert_model(model, "silu"), load_tokenizer("smollm2-135m"), out)  # any Llama tokenizer will do (prompts are random ids): the embedded default's
     return out
 
 

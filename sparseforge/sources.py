@@ -89,19 +89,15 @@ def load_model(spec: str, dtype: str = "auto", device: str = "cpu"):
     (the same code the checkpoint carries); everything else as the base transformers class.
     dtype: "auto" (as stored; float32 for GGUF) or one of DTYPES.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if dtype != "auto" and dtype not in DTYPES:
         raise SparseforgeError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
     torch_dtype = DTYPES.get(dtype, "auto")
     source = resolve(spec)
+    kwargs = _load_kwargs(source)
     if source.kind == "gguf":
-        kwargs = {"gguf_file": source.gguf_file}
         torch_dtype = DTYPES.get(dtype, torch.float32)
-    elif source.kind == "hub":
-        kwargs = {}
-    else:
-        kwargs = {"local_files_only": True}
     try:
         config = AutoConfig.from_pretrained(source.path, **kwargs) if source.kind != "sparse" else None
     except (OSError, ValueError) as e:
@@ -114,7 +110,23 @@ def load_model(spec: str, dtype: str = "auto", device: str = "cpu"):
     else:
         _check_family(config, source)
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype, **kwargs)
-    if source.kind == "sparse":  # the tokenizer needs none of the checkpoint's custom code
-        kwargs["trust_remote_code"] = False
-    tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
-    return model.to(device).eval(), tokenizer, source
+    return model.to(device).eval(), _tokenizer(source), source
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer of any spec (see module docstring), without loading the model."""
+    return _tokenizer(resolve(spec))
+
+
+def _load_kwargs(source: Source) -> dict:
+    """from_pretrained's arguments for where `source` lives."""
+    if source.kind == "gguf":
+        return {"gguf_file": source.gguf_file}
+    return {} if source.kind == "hub" else {"local_files_only": True}
+
+
+def _tokenizer(source: Source):
+    from transformers import AutoTokenizer
+
+    # a sparse checkpoint's tokenizer needs none of its custom code
+    return AutoTokenizer.from_pretrained(source.path, **_load_kwargs(source), **({"trust_remote_code": False} if source.kind == "sparse" else {}))
