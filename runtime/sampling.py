@@ -44,16 +44,19 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     """logits [V] -> temperature-scaled logits with everything outside top-k / the top-p nucleus at -inf.
     The nucleus is the smallest set of most likely tokens whose probability reaches top_p."""
     logits = logits.float() / temperature
+    live = None  # after top-k: the ids it kept, among which the nucleus lies (sorting them, not all V, for top-p)
     if 0 < top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+        live = (logits > float("-inf")).nonzero().flatten()
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
+        sorted_logits, order = torch.sort(logits if live is None else logits[live], descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # probability mass of the strictly more likely tokens
         drop = before >= top_p
         drop[0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        dropped = order[drop] if live is None else live[order[drop]]
+        logits = logits.index_fill(0, dropped, float("-inf"))
     return logits
 
 

@@ -192,6 +192,21 @@ def test_seeded_sampling_is_reproducible_and_stop_ids_stop(ckpts):
     assert engine.stop_ids() == (0,)
 
 
+def test_top_p_after_top_k_keeps_the_nucleus_of_the_top_k():
+    """top-p after top-k sorts only what top-k kept: the kept set equals the nucleus of the top-k distribution
+    computed from scratch (softmax over the k largest logits, smallest prefix reaching p), ties at the k-th included."""
+    g = torch.Generator().manual_seed(9)
+    for k, p in ((1, 0.5), (7, 0.3), (40, 0.9), (300, 0.95)):
+        logits = torch.randn(5000, generator=g) * 3
+        logits[[11, 12]] = logits.topk(k).values[-1]  # a tie at the k-th value
+        kept = torch.isfinite(filter_logits(logits, 0.7, k, p)).nonzero().flatten()
+        top = (logits >= logits.topk(k).values[-1]).nonzero().flatten()
+        values, order = torch.sort(logits[top] / 0.7, descending=True)
+        probs = torch.softmax(values.double(), 0)
+        n = int(((probs.cumsum(0) - probs) < p).sum())
+        assert sorted(kept.tolist()) == sorted(top[order[:n]].tolist())
+
+
 def test_top_k_and_top_p_restrict_the_support():
     logits = torch.tensor([3.0, 2.5, 2.0, 0.0, -1.0, -2.0])
     assert torch.isfinite(filter_logits(logits, 1.0, 3, 1.0)).nonzero().flatten().tolist() == [0, 1, 2]
