@@ -3,6 +3,7 @@ head dtype, ragged shapes and ties, and so is its sampled token (Gumbel-max, wit
 error radius holds; greedy and sampled decoding through it give the unscreened tokens; an engine under a placement
 plan builds it only when the plan reserved it."""
 
+import numpy as np
 import pytest
 import torch
 from test_runtime_store import _checkpoint
@@ -82,6 +83,33 @@ def test_screened_samples_are_the_full_logits_samples(dtype):
                 config = GenerationConfig(temperature=t, top_k=top_k, top_p=top_p)
                 assert pick(logits, config, noise) == pick(y, config, noise)
     assert sum(alone) / len(alone) < 4
+
+
+def _bounds(screen, x):
+    """Each row's screened value and error bound as the kernel computes them (float32 operations in its order)."""
+    x32 = x.float().numpy()
+    m = np.float32(np.abs(x32).max())
+    inv = np.float32(32767) / m
+    q = np.rint(np.clip(x32 * inv, -32767, 32767)).astype(np.int64)
+    d = np.float32(m / np.float32(32767))
+    e = np.float32(np.abs(x32.astype(np.float64) - np.float64(d) * q).max() * (1 + 1e-6))
+    l1 = np.float32(np.abs(x32.astype(np.float64)).sum() * (1 + 1e-6))
+    approx = (screen.scales.numpy() * d) * (screen.q.numpy().astype(np.int64) @ q).astype(np.float32)
+    return approx, screen.radius.numpy() * l1 + screen.qabs.numpy() * e
+
+
+@pytest.mark.parametrize("top_k", [1, 5, 50])
+def test_top_k_candidates_are_every_row_that_reaches_the_kth_lower_bound(top_k):
+    """The top-k rule itself: every row whose upper bound reaches the k-th largest lower bound (recomputed here,
+    less a margin of 1e-5 of its size for float rounding) is a candidate; a threshold taken from the screened values
+    instead of the lower bounds misses some."""
+    g, w, screen = _random_head(torch.float32, 1003, 72, seed=5)
+    for x in _inputs(g, 72, 12):
+        logits = screen.top_k_logits(x, top_k)
+        approx, b = _bounds(screen, x)
+        kth = np.sort(approx - b)[-top_k]
+        must = np.nonzero(approx + b >= kth + 1e-5 * abs(kth))[0]
+        assert bool(torch.isfinite(logits[torch.from_numpy(must)]).all())
 
 
 def test_sampled_ties_go_to_the_lowest_id():
