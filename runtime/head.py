@@ -114,6 +114,6 @@ class HeadScreen:
         return torch.full_like(self.approx, float("-inf")).index_copy_(0, cand, self.approx[cand])
 
     def candidates(self) -> torch.Tensor:
-        """The last argmax call's candidate rows (ascending); `approx` holds their exact logits and every other
+        """The last call's candidate rows (ascending); `approx` holds their exact logits and every other
         row's screened value."""
         return self.cand[: int(self.ncand[0])].clone()
