@@ -25,6 +25,18 @@ def workspace(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="session", autouse=True)
+def token_cache(tmp_path_factory):
+    """Token stores of every test go to a temporary folder, never the user's cache."""
+    import os
+
+    before = os.environ.get("SPARSEFORGE_CACHE")
+    os.environ["SPARSEFORGE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        os.environ.pop("SPARSEFORGE_CACHE", None)
+    else:
+        os.environ["SPARSEFORGE_CACHE"] = before
 
 
 @pytest.fixture(scope="module")

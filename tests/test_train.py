@@ -107,3 +107,68 @@ def test_fresh_run_drops_metrics_of_an_attempt_that_saved_no_state(workspace, tm
     train(_recipe(workspace, run, max_steps=1, eval_every=0, save_every=0), progress=False)
     losses, _ = _losses(run)
     assert len(losses) == 1 and losses[0] != 99.0
+
+
+def test_teacher_generated_source(workspace, tmp_path):
+    """A generated source: teacher samples that start with real prompts, built once, trained on, never validated on."""
+    from sparseforge.sources import load_model
+    from sparseforge.train.mixture import build_mixture
+    from sparseforge.train.teacher_text import check_generated, generate_store
+
+    sources = {**tiny_recipe(workspace, tmp_path)["sources"], "teacher": {"generated": {"tokens": 300, "prompt_tokens": 4, "batch": 3}, "weight": 1.0}}
+    run = _recipe(workspace, tmp_path / "run", sources=sources, max_steps=2, eval_every=0, save_every=0)
+    train(run, progress=False)
+    _, lines = _losses(tmp_path / "run")
+    assert set(next(l for l in lines if "val_loss" in l)["val_loss"]) == {"web", "code", "math"}
+    teacher, tok, _ = load_model(str(workspace / "dense"))
+    real = {k: v for k, v in sources.items() if k != "teacher"}
+    prompts = build_mixture(real, tok, 32, 10, seed=1, root=str(workspace / "data"))
+    settings = check_generated("teacher", sources["teacher"]["generated"])
+    store = generate_store("teacher", settings, teacher, tok, prompts, 32, seed=0, progress=False)
+    assert store.meta["train_tokens"] >= 300 and store.meta["val_tokens"] == 0
+    first = build_mixture(real, tok, 32, 10, seed=1, root=str(workspace / "data")).next_window()[1][:4]
+    assert store.train[:4].tolist() == first.tolist()  # the first sample starts with the first real window's tokens
+    again = generate_store("teacher", settings, teacher, tok, build_mixture(real, tok, 32, 10, seed=1, root=str(workspace / "data")), 32, seed=0)
+    assert again.path == store.path  # built once: reused by the run above and by this call
+    with pytest.raises(SparseforgeError, match="generated must be a mapping with at least tokens"):
+        check_generated("teacher", {"prompt_tokens": 3})
+
+
+def test_mlp_only_training_leaves_the_rest_untouched(workspace, tmp_path):
+    from sparseforge.checkpoint import load_sparse
+    from sparseforge.sources import load_model
+
+    ckpt = train(_recipe(workspace, tmp_path / "run", max_steps=2, eval_every=0, save_every=0, trainable="mlp"), progress=False)
+    dense = load_model(str(workspace / "dense"))[0].state_dict()
+    trained = load_sparse(ckpt).state_dict()
+    changed = {k for k, v in trained.items() if not torch.equal(v, dense[k])}
+    assert changed and all(".mlp." in k for k in changed)
+
+
+def test_gradient_checkpointing_and_bf16_teacher_run_the_same_loop(workspace, tmp_path):
+    base = dict(max_steps=2, eval_every=0, save_every=0, distill_kl=1.0)
+    train(_recipe(workspace, tmp_path / "plain", **base), progress=False)
+    train(_recipe(workspace, tmp_path / "ckpt", gradient_checkpointing=True, **base), progress=False)
+    assert _losses(tmp_path / "ckpt")[0] == pytest.approx(_losses(tmp_path / "plain")[0], rel=1e-5)
+    train(_recipe(workspace, tmp_path / "bf16", teacher_dtype="bfloat16", **base), progress=False)
+    kl = [l["distill_kl"] for l in _losses(tmp_path / "bf16")[1] if "distill_kl" in l]
+    kl_fp32 = [l["distill_kl"] for l in _losses(tmp_path / "plain")[1] if "distill_kl" in l]
+    assert kl == pytest.approx(kl_fp32, rel=0.2, abs=1e-3) and kl != kl_fp32  # a bf16 teacher: close, not equal
+
+
+def test_kl_only_logs_the_lm_loss_it_does_not_train_on(workspace, tmp_path):
+    train(_recipe(workspace, tmp_path / "kl", max_steps=2, eval_every=0, save_every=0, distill_kl=1.0, lm_weight=0.0), progress=False)
+    steps = [l for l in _losses(tmp_path / "kl")[1] if "loss" in l]
+    assert all(s["loss"] > 0 and s["distill_kl"] >= 0 for s in steps)
+    with pytest.raises(SparseforgeError, match="must be >= 0 and not both 0"):
+        _recipe(workspace, tmp_path / "x", distill_kl=0.0, lm_weight=0.0)
+
+
+def test_numbers_written_any_way_are_accepted(workspace, tmp_path):
+    raw = tiny_recipe(workspace, tmp_path)
+    r = load_recipe(raw=raw, overrides=["lr=1e-4", "layerwise_tokens=1e3", "max_steps=1_000", "layerwise_lr=3.0E-4"])
+    assert (r.lr, r.layerwise_tokens, r.max_steps, r.layerwise_lr) == (1e-4, 1000, 1000, 3e-4)
+    with pytest.raises(SparseforgeError, match="recipe key 'lr' must be float, got 'nan'"):
+        load_recipe(raw=raw, overrides=["lr=nan"])
+    with pytest.raises(SparseforgeError, match="recipe key 'max_steps' must be int, got 2.5"):
+        load_recipe(raw=raw, overrides=["max_steps=2.5"])

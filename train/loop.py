@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import yaml
 
 from sparseforge.checkpoint import atomic_write_text, carry_source, save_sparse
@@ -27,8 +26,9 @@ from sparseforge.families import is_sparse
 from sparseforge.sources import load_model
 from sparseforge.sparsify.convert import convert_model, model_card
 from sparseforge.train.hooks import ActivationHooks
-from sparseforge.train.layerwise import distill_layerwise
+from sparseforge.train.layerwise import LayerwiseSettings, distill_layerwise
 from sparseforge.train.mixture import build_mixture, validation_windows
+from sparseforge.train.objective import Objective, teacher_outputs, validation_loss
 from sparseforge.train.recipe import Recipe
 from sparseforge.train.schedules import lr_multiplier, ramp
 
@@ -36,12 +36,12 @@ from sparseforge.train.schedules import lr_multiplier, ramp
 def _models(r: Recipe):
     """(student sparse model, tokenizer, dense teacher or None)."""
     model, tokenizer, _ = load_model(r.model, dtype="float32")
-    needs_teacher = r.distill_kl > 0 or r.layerwise_tokens > 0
+    needs_teacher = r.distill_kl > 0 or r.layerwise_tokens > 0 or any("generated" in s for s in r.sources.values())
     if is_sparse(model.config):
         carry_source(model.config, r.model)
         teacher = load_model(r.teacher, dtype="float32")[0] if needs_teacher and r.teacher else None
         if needs_teacher and teacher is None:
-            raise SparseforgeError("distill_kl / layerwise_tokens need a dense teacher: set recipe key 'teacher' (model is already sparse)")
+            raise SparseforgeError("distill_kl, layerwise_tokens and generated sources need a dense teacher: set recipe key 'teacher' (model is already sparse)")
         return model, tokenizer, teacher
     teacher = load_model(r.teacher, dtype="float32")[0] if r.teacher else (copy.deepcopy(model) if needs_teacher else None)
     thresholds = [r.threshold] * model.config.num_hidden_layers if r.threshold is not None else None
@@ -86,32 +86,6 @@ def _save_state(accelerator, state_dir: Path, step: int, mixture, keep: int) -> 
     accelerator.wait_for_everyone()
 
 
-def _distill_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """KL(teacher || student) per token, with temperature. logits: [B, S, V]."""
-    t = temperature
-    log_p_s = F.log_softmax(student_logits.float() / t, dim=-1)
-    log_p_t = F.log_softmax(teacher_logits.float() / t, dim=-1)
-    return F.kl_div(log_p_s.flatten(0, 1), log_p_t.flatten(0, 1), log_target=True, reduction="batchmean") * t * t
-
-
-@torch.no_grad()
-def evaluate(model, val: dict[str, list[list[int]]], device, batch: int) -> dict[str, float]:
-    """Mean next-token loss per validation source."""
-    was_training = model.training
-    model.eval()
-    out = {}
-    for name, windows in val.items():
-        total, count = 0.0, 0
-        for i in range(0, len(windows), batch):
-            ids = torch.tensor(windows[i : i + batch], device=device)
-            logits = model(input_ids=ids, use_cache=False).logits
-            total += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum").item()
-            count += ids[:, 1:].numel()
-        out[name] = total / count
-    model.train(was_training)
-    return out
-
-
 def _configure_deepspeed(accelerator, r: Recipe) -> None:
     """DeepSpeed takes batch size, accumulation and clipping from its own config: fill and cross-check them."""
     plugin = accelerator.state.deepspeed_plugin
@@ -124,6 +98,47 @@ def _configure_deepspeed(accelerator, r: Recipe) -> None:
         theirs = ds.get(key, "auto")
         if theirs != "auto" and float(theirs) != float(ours):
             raise SparseforgeError(f"accelerate DeepSpeed config has {key}: {theirs} but the recipe has {recipe_key}: {ours}; make them equal")
+
+
+def _device_settings(accelerator, r: Recipe) -> dict:
+    """What the device changes: the teacher's dtype, fused AdamW, TF32 matmuls (CUDA only)."""
+    cuda = accelerator.device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 parts of a step (the optimizer, norms, loss math)
+        torch.backends.cudnn.allow_tf32 = True
+    dtype = r.teacher_dtype if r.teacher_dtype != "auto" else ("bfloat16" if cuda else "float32")
+    return {"teacher_dtype": getattr(torch, dtype), "fused_adamw": cuda}
+
+
+def _freeze(model, trainable: str) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer updates: all, or the MLPs' only (attention, norms and embeddings frozen)."""
+    if trainable == "mlp":
+        for name, p in model.named_parameters():
+            p.requires_grad_(".mlp." in name)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _generated_sources(r: Recipe, teacher, data: dict) -> dict:
+    """Token stores of the recipe's teacher-generated sources, prompted by its file/Hub sources."""
+    from sparseforge.train.teacher_text import generate_store
+
+    generated = {name: entry["generated"] for name, entry in r.sources.items() if "generated" in entry}
+    if not generated:
+        return {}
+    real = {name: entry for name, entry in r.sources.items() if "generated" not in entry}
+    prompts = build_mixture(real, seq_len=r.seq_len, seed=r.seed + 1, **data)
+    return {name: generate_store(name, settings, teacher, data["tokenizer"], prompts, r.seq_len, r.seed, r.token_cache, data["progress"])
+            for name, settings in generated.items()}
+
+
+def _stage1(r: Recipe, model, teacher, mixture, device, progress: bool) -> dict:
+    """Layer-wise MLP distillation on the first layerwise_tokens of the mixture; returns its record."""
+    windows = torch.as_tensor(mixture.next_batch(-(-r.layerwise_tokens // r.seq_len)), device=device)  # [N, S]
+    settings = LayerwiseSettings(r.layerwise_epochs, r.layerwise_lr, r.layerwise_batch_tokens, r.layerwise_inputs,
+                                 r.layerwise_init, r.micro_batch_size, r.seed)
+    start = time.perf_counter()
+    stats = distill_layerwise(model, teacher, windows, settings, progress)
+    return {"stage": "layerwise", "step": 0, "tokens": windows.numel(), "seconds": time.perf_counter() - start, "layers": stats}
 
 
 def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> Path | None:
@@ -152,6 +167,7 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
         cpu=r.device == "cpu",
     )
     _configure_deepspeed(accelerator, r)
+    settings = _device_settings(accelerator, r)
     set_seed(r.seed)
     main = accelerator.is_main_process
     if main:
@@ -163,56 +179,65 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     log = MetricsLog(run_dir / "metrics.jsonl", main, resume_step)
 
     model, tokenizer, teacher = _models(r)
-    val = validation_windows(r.sources, tokenizer, r.seq_len, r.val_every, r.val_tokens, r.data_root)
-    mixture = build_mixture(r.sources, tokenizer, r.seq_len, r.val_every, r.seed, r.data_root)
-
     device = accelerator.device  # stage 1 and the reference run before accelerate.prepare, on this process's device
     model.to(device)
     if teacher is not None:
         teacher.to(device).eval().requires_grad_(False)
+    with accelerator.main_process_first():  # one process builds the token stores, the others read them
+        data = dict(tokenizer=tokenizer, val_every=r.val_every, root=r.data_root, token_cache=r.token_cache, progress=progress and main)
+        val = validation_windows(r.sources, seq_len=r.seq_len, val_tokens=r.val_tokens, **data)
+        data["generated"] = _generated_sources(r, teacher, data)
+        mixture = build_mixture(r.sources, seq_len=r.seq_len, seed=r.seed, **data)
+
+    sums = lambda m: (lambda ids: Objective(m, 1.0, 0.0, 1.0)(ids, evaluate=True))  # noqa: E731
     if teacher is not None and latest is None:  # where recovery should head: the dense original on the same text
-        log.write({"step": 0, "reference": "dense teacher", "val_loss": evaluate(teacher, val, device, r.micro_batch_size)})
+        log.write({"step": 0, "reference": "dense teacher", "val_loss": validation_loss(sums(teacher), val, device, r.micro_batch_size)})
     val_loss_now = None  # the student's validation loss, when stage 1 has just measured it
     if r.layerwise_tokens and latest is None:  # a resumed state already holds the stage-1 weights
-        windows = []
-        while len(windows) * r.seq_len < r.layerwise_tokens:
-            windows.append(mixture.next_window()[1])
-        mixture = build_mixture(r.sources, tokenizer, r.seq_len, r.val_every, r.seed, r.data_root)  # e2e starts afresh
-        before = evaluate(model, val, device, r.micro_batch_size)
-        start = time.perf_counter()
-        stats = distill_layerwise(model, teacher, windows, r.layerwise_epochs, r.layerwise_lr, r.layerwise_batch_tokens,
-                                  r.layerwise_inputs, r.micro_batch_size, r.seed, progress and main)
-        after = val_loss_now = evaluate(model, val, device, r.micro_batch_size)
-        record = {"stage": "layerwise", "step": 0, "tokens": len(windows) * r.seq_len, "seconds": time.perf_counter() - start,
-                  "val_loss_before": before, "val_loss_after": after, "layers": stats}
+        before = validation_loss(sums(model), val, device, r.micro_batch_size)
+        record = _stage1(r, model, teacher, build_mixture(r.sources, seq_len=r.seq_len, seed=r.seed, **data), device, progress and main)
+        record.update(val_loss_before=before, val_loss_after=(val_loss_now := validation_loss(sums(model), val, device, r.micro_batch_size)))
         log.write({k: v for k, v in record.items() if k != "layers"})
         if main:
             atomic_write_text(run_dir / "layerwise.json", json.dumps(record, indent=1) + "\n")
     if r.distill_kl == 0:
         teacher = None
+    elif teacher is not None:
+        teacher.to(settings["teacher_dtype"])
 
+    if r.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if r.compile:
+        model.model.compile()
     hooks = ActivationHooks(model, collect_l1=r.l1_coef > 0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=r.lr, betas=tuple(r.betas), weight_decay=r.weight_decay)
+    params = _freeze(model, r.trainable)
+    zero3 = accelerator.state.deepspeed_plugin is not None and accelerator.state.deepspeed_plugin.zero_stage == 3
+    objective = Objective(model, r.lm_weight, r.distill_kl, r.distill_temperature, fused=not zero3)
+    optimizer = torch.optim.AdamW(params, lr=r.lr, betas=tuple(r.betas), weight_decay=r.weight_decay,
+                                  **({"fused": True} if settings["fused_adamw"] else {}))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, r.warmup_steps, r.max_steps, r.min_lr_ratio))
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    objective, optimizer, scheduler = accelerator.prepare(objective, optimizer, scheduler)
+    evaluate = lambda: validation_loss(lambda ids: objective(ids, evaluate=True), val, accelerator.device, r.micro_batch_size)  # noqa: E731
 
     log.write({"step": resume_step or 0, "event": "resume" if latest else "start", "distributed_type": accelerator.distributed_type.value,
                "num_processes": accelerator.num_processes, "device": str(accelerator.device), "mixed_precision": accelerator.mixed_precision})
     step = 0
     if latest is not None:
         accelerator.load_state(str(latest))
-        data = json.loads((latest / "data.json").read_text())
-        mixture.load_state_dict(data["mixture"])
-        step = data["step"]
+        mixture.load_state_dict(json.loads((latest / "data.json").read_text())["mixture"])
+        step = resume_step
         accelerator.print(f"resumed from {latest} at step {step}")
     else:
-        log.write({"step": 0, "val_loss": val_loss_now or evaluate(model, val, accelerator.device, r.micro_batch_size)})
+        log.write({"step": 0, "val_loss": val_loss_now or evaluate()})
 
     world, rank = accelerator.num_processes, accelerator.process_index
     tokens_per_step = r.micro_batch_size * world * r.gradient_accumulation_steps * r.seq_len
-    model.train()
+    pin = accelerator.device.type == "cuda"
+    objective.train()
     bar = tqdm(total=r.max_steps, initial=step, desc="train", unit="step", disable=not (progress and main))
     started = time.perf_counter()
+    sums_since_log = torch.zeros(3, device=accelerator.device)  # CE, KL, L1 summed over micro-steps: read at log steps only
+    micro_since_log, logged_at, logged_step, paused = 0, time.perf_counter(), step, 0.0  # paused: validation and saves
     while step < r.max_steps:
         if stop_after is not None and step >= stop_after:
             _save_state(accelerator, state_dir, step, mixture, r.keep_states)
@@ -220,64 +245,67 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
             return None
         hooks.alpha = ramp(step, r.swap_steps)
         l1_weight = r.l1_coef * ramp(step, r.l1_ramp_steps)
-        lm_sum, kl_sum, l1_sum = 0.0, 0.0, 0.0
         for _ in range(r.gradient_accumulation_steps):
-            batch = mixture.next_batch(r.micro_batch_size * world)[rank * r.micro_batch_size : (rank + 1) * r.micro_batch_size]
-            ids = torch.tensor(batch, device=accelerator.device)  # [B, S]
-            with accelerator.accumulate(model):
-                out = model(input_ids=ids, labels=ids, use_cache=False)
-                loss = out.loss
-                lm_sum += out.loss.item()
-                if teacher is not None:
-                    with torch.no_grad():
-                        teacher_logits = teacher(input_ids=ids, use_cache=False).logits
-                    kl = _distill_kl(out.logits, teacher_logits, r.distill_temperature)
-                    loss = loss + r.distill_kl * kl
-                    kl_sum += kl.item()
+            batch = torch.from_numpy(mixture.next_batch(r.micro_batch_size * world)[rank * r.micro_batch_size : (rank + 1) * r.micro_batch_size])
+            ids = (batch.pin_memory() if pin else batch).to(accelerator.device, non_blocking=True)  # [B, S]
+            with accelerator.accumulate(objective):
+                t_hidden, t_weight = teacher_outputs(teacher, ids) if teacher is not None else (None, None)
+                loss, ce, kl = objective(ids, t_hidden, t_weight)
                 l1 = hooks.pop_l1()
                 if l1 is not None:
                     loss = loss + l1_weight * l1
-                    l1_sum += l1.item()
+                sums_since_log += torch.stack([ce, kl, l1.detach() if l1 is not None else torch.zeros_like(ce)]).float()
                 accelerator.backward(loss)
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), r.grad_clip) if accelerator.sync_gradients and r.grad_clip > 0 else None
+                grad_norm = accelerator.clip_grad_norm_(objective.parameters(), r.grad_clip) if accelerator.sync_gradients and r.grad_clip > 0 else None
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+            micro_since_log += 1
         step += 1
         bar.update(1)
-        n = r.gradient_accumulation_steps
         if step % r.log_every == 0 or step == r.max_steps:
+            ce_mean, kl_mean, l1_mean = (sums_since_log / micro_since_log).tolist()  # the one host sync of a logged step
+            step_seconds = (time.perf_counter() - logged_at - paused) / (step - logged_step)
+            sums_since_log.zero_()
+            micro_since_log = 0
             sparsity = hooks.pop_sparsity()
-            record = {"step": step, "loss": lm_sum / n, "lr": scheduler.get_last_lr()[0], "tokens": step * tokens_per_step,
+            record = {"step": step, "loss": ce_mean, "lr": scheduler.get_last_lr()[0], "tokens": step * tokens_per_step,
                       "tokens_per_s": (step - (resume_step or 0)) * tokens_per_step / (time.perf_counter() - started),
+                      "step_seconds": step_seconds,
                       "mlp_zero_fraction": sum(sparsity) / len(sparsity), "mlp_zero_fraction_per_layer": [round(s, 4) for s in sparsity]}
             if grad_norm is not None:
                 record["grad_norm"] = float(grad_norm)
             if teacher is not None:
-                record["distill_kl"] = kl_sum / n
+                record["distill_kl"] = kl_mean
             if r.l1_coef > 0:
-                record.update(l1=l1_sum / n, l1_weight=l1_weight)
+                record.update(l1=l1_mean, l1_weight=l1_weight)
             if r.swap_steps:
                 record["swap_alpha"] = hooks.alpha
             log.write(record)
             if r.report_to:
                 accelerator.log({k: v for k, v in record.items() if not isinstance(v, list)}, step=step)
             bar.set_postfix(loss=f"{record['loss']:.3f}", zero=f"{record['mlp_zero_fraction']:.3f}")
+            logged_at, logged_step, paused = time.perf_counter(), step, 0.0
+        pause = time.perf_counter()
         if (r.eval_every and step % r.eval_every == 0) or step == r.max_steps:
-            val_loss = evaluate(model, val, accelerator.device, r.micro_batch_size)
+            val_loss = evaluate()
             log.write({"step": step, "val_loss": val_loss, "val_ppl": {k: math.exp(v) for k, v in val_loss.items()}})
         if (r.save_every and step % r.save_every == 0) or step == r.max_steps:
             _save_state(accelerator, state_dir, step, mixture, r.keep_states)
+        paused += time.perf_counter() - pause
     bar.close()
     hooks.remove()
+    return _write_checkpoint(accelerator, objective, tokenizer, r, run_dir, step * tokens_per_step)
 
+
+def _write_checkpoint(accelerator, objective, tokenizer, r: Recipe, run_dir: Path, trained_tokens: int) -> Path:
     checkpoint = run_dir / "checkpoint"
-    state = accelerator.get_state_dict(model)
-    if main:
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.load_state_dict(state)
+    state = accelerator.get_state_dict(objective)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(objective).model
+        unwrapped.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
         sparsity = unwrapped.config.sparsity
-        sparsity["trained_tokens"] = sparsity.get("trained_tokens", 0) + step * tokens_per_step  # end to end
+        sparsity["trained_tokens"] = sparsity.get("trained_tokens", 0) + trained_tokens  # end to end
         sparsity["layerwise_tokens"] = sparsity.get("layerwise_tokens", 0) + r.layerwise_tokens
         source = sparsity.get("source")  # the dense original (convert records it; _models carries it from a sparse start)
         save_sparse(unwrapped, tokenizer, checkpoint, force=True, card=model_card(source, unwrapped.config) if source else None)

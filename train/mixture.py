@@ -1,126 +1,74 @@
 """The training data mixture: weighted sources, packed into fixed-length token windows, resumable.
 
 Each source is a local glob (.jsonl/.jsonl.gz/.txt/.parquet) or a Hub dataset id (streamed; machines
-with the Hub only). Its documents are read in a fixed order; document i is held out for validation when
-i % val_every == 0 and never trained on. Training documents are tokenized, joined with EOS between
-documents and cut into windows of seq_len tokens. Sources are interleaved by weight with a seeded RNG.
+with the Hub only), tokenized once into a token store (train/tokens.py). Document i of a source is held out
+for validation when i % val_every == 0 and never trained on. A source's training documents, joined with EOS
+after each, are read as one long token sequence cut into windows of seq_len tokens, wrapping around into the
+next epoch. Each window's source is drawn from a seeded RNG with the source weights.
 
-The whole position is a small dict (`state_dict()`): per source the epoch, the index of the next
-document and the tokens left over from the current one; for the mixture the number of draws made. A run
-restored from it sees exactly the windows an uninterrupted run would. Memory is bounded by one document.
+The whole position is a small dict (`state_dict()`): per source the epoch and the offset of the next window;
+for the mixture the number of draws made. A run restored from it sees exactly the windows an uninterrupted
+run would.
 """
 
 import random
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-from sparseforge.data import data_root, expand, read_documents
+import numpy as np
+
 from sparseforge.errors import SparseforgeError
+from sparseforge.train.tokens import SourceSpec, TokenStore, open_store
 
-MIXTURE_STATE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class SourceSpec:
-    name: str
-    weight: float
-    path: str | None = None  # glob; relative to the data root unless absolute
-    hub: str | None = None  # Hub dataset id, streamed
-    text_field: str = "text"
-    split: str = "train"
-    config_name: str | None = None  # Hub dataset config
-
-    @classmethod
-    def from_recipe(cls, name: str, entry: dict) -> "SourceSpec":
-        return cls(name, float(entry.get("weight", 1.0)), entry.get("path"), entry.get("hub"),
-                   entry.get("text_field", "text"), entry.get("split", "train"), entry.get("name"))
-
-
-def iter_source_documents(spec: SourceSpec, root: Path | None = None) -> Iterator[str]:
-    """All documents of a source, in a fixed order (files sorted, records in file order)."""
-    if spec.hub:
-        try:
-            from datasets import load_dataset
-
-            stream = load_dataset(spec.hub, spec.config_name, split=spec.split, streaming=True)
-        except Exception as e:  # the Hub is unreachable, the id is wrong, ...
-            raise SparseforgeError(f"source {spec.name!r}: cannot stream Hub dataset {spec.hub!r}: {str(e).splitlines()[0]}") from None
-        for record in stream:
-            if record.get(spec.text_field):
-                yield record[spec.text_field]
-        return
-    pattern = Path(spec.path)
-    if not pattern.is_absolute():
-        pattern = (root or data_root()) / pattern
-    for file in expand(str(pattern)):
-        yield from read_documents(file, spec.text_field)
+MIXTURE_STATE_VERSION = 2
 
 
 class SourceStream:
-    """Training windows of one source; resumable through state_dict()."""
+    """Training windows of one source's token store; resumable through state_dict()."""
 
-    def __init__(self, spec: SourceSpec, tokenizer, seq_len: int, val_every: int, root: Path | None = None):
-        self.spec, self.tokenizer, self.seq_len, self.val_every, self.root = spec, tokenizer, seq_len, val_every, root
-        self.epoch, self.next_doc, self.buffer = 0, 0, []
-        self._docs: Iterator[tuple[int, str]] | None = None
+    def __init__(self, name: str, store: TokenStore, seq_len: int):
+        if len(store.train) == 0:
+            raise SparseforgeError(f"source {name!r} has no training documents (all {store.meta['val_docs']} held out?); lower val_every or add data")
+        self.name, self.tokens, self.seq_len = name, store.train, seq_len
+        self.store = store.path.name  # the store's identity (its key digest)
+        self.epoch, self.offset = 0, 0
 
-    def _open(self) -> Iterator[tuple[int, str]]:
-        docs = enumerate(iter_source_documents(self.spec, self.root))
-        for index, doc in docs:  # fast-forward to the saved position (reading, not tokenizing)
-            if index >= self.next_doc:
-                yield index, doc
-                break
-        yield from docs
-
-    def next_window(self) -> list[int]:
-        """The next seq_len training tokens of this source (wrapping around into a new epoch)."""
-        empty_epochs = 0
-        while len(self.buffer) < self.seq_len:
-            if self._docs is None:
-                self._docs = self._open()
-            item = next(self._docs, None)
-            if item is None:  # end of the source: start the next epoch
-                if self.next_doc == 0 or empty_epochs:
-                    raise SparseforgeError(f"source {self.spec.name!r} has no training documents (all {self.next_doc} held out?); lower val_every or add data")
-                self.epoch, self.next_doc, self._docs = self.epoch + 1, 0, None
-                empty_epochs += 1
-                continue
-            index, doc = item
-            self.next_doc = index + 1
-            if index % self.val_every == 0:
-                continue  # held out for validation
-            self.buffer.extend(self.tokenizer(doc, add_special_tokens=False)["input_ids"])
-            self.buffer.append(self.tokenizer.eos_token_id)
-            empty_epochs = 0
-        window, self.buffer = self.buffer[: self.seq_len], self.buffer[self.seq_len :]
-        return window
+    def next_window(self) -> np.ndarray:
+        """The next seq_len training tokens [S] (wrapping around into a new epoch)."""
+        parts, need = [], self.seq_len
+        while need:
+            take = min(need, len(self.tokens) - self.offset)
+            parts.append(self.tokens[self.offset : self.offset + take])
+            self.offset += take
+            need -= take
+            if self.offset == len(self.tokens):
+                self.epoch, self.offset = self.epoch + 1, 0
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "next_doc": self.next_doc, "buffer": list(self.buffer)}
+        return {"epoch": self.epoch, "offset": self.offset}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.next_doc, self.buffer = state["epoch"], state["next_doc"], list(state["buffer"])
-        self._docs = None
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
 
 
 class Mixture:
     """Interleaves SourceStreams by weight: each window's source is drawn from a seeded RNG."""
 
-    def __init__(self, streams: list[SourceStream], seed: int):
-        self.streams = {s.spec.name: s for s in streams}
+    def __init__(self, streams: list[SourceStream], weights: list[float], seed: int):
+        self.streams = {s.name: s for s in streams}
         self.names = list(self.streams)
-        self.weights = [s.spec.weight for s in streams]
+        self.weights = weights
         self.seed, self.draws = seed, 0
         self._rng = random.Random(seed)
 
-    def next_window(self) -> tuple[str, list[int]]:
+    def next_window(self) -> tuple[str, np.ndarray]:
         name = self._rng.choices(self.names, self.weights)[0]
         self.draws += 1
         return name, self.streams[name].next_window()
 
-    def next_batch(self, size: int) -> list[list[int]]:
-        return [self.next_window()[1] for _ in range(size)]
+    def next_batch(self, size: int) -> np.ndarray:
+        """[size, S] int64 token ids."""
+        return np.stack([self.next_window()[1] for _ in range(size)]).astype(np.int64)
 
     def state_dict(self) -> dict:
         return {
@@ -133,8 +81,8 @@ class Mixture:
     def load_state_dict(self, state: dict) -> None:
         if state.get("format_version") != MIXTURE_STATE_VERSION or set(state["sources"]) != set(self.streams):
             raise SparseforgeError(
-                f"saved data position does not fit this recipe (sources {sorted(state.get('sources', {}))} vs {sorted(self.streams)}); "
-                "resume with the recipe the run started with"
+                f"saved data position does not fit this recipe (sources {sorted(state.get('sources', {}))} vs {sorted(self.streams)}, "
+                f"format {state.get('format_version')} vs {MIXTURE_STATE_VERSION}); resume with the recipe and sparseforge version the run started with"
             )
         self._rng = random.Random(state["seed"])
         for _ in range(state["draws"]):
@@ -144,31 +92,39 @@ class Mixture:
             self.streams[name].load_state_dict(s)
 
 
-def build_mixture(sources: dict, tokenizer, seq_len: int, val_every: int, seed: int, root: str | None = None) -> Mixture:
-    """The recipe's `sources` mapping -> Mixture."""
-    base = Path(root).expanduser() if root else None
-    specs = [SourceSpec.from_recipe(name, entry) for name, entry in sources.items()]
-    return Mixture([SourceStream(s, tokenizer, seq_len, val_every, base) for s in specs], seed)
-
-
-def validation_windows(sources: dict, tokenizer, seq_len: int, val_every: int, val_tokens: int, root: str | None = None) -> dict[str, list[list[int]]]:
-    """Per source, windows of the held-out documents (i % val_every == 0), up to val_tokens tokens."""
+def _stores(sources: dict, tokenizer, val_every: int, root: str | None, token_cache: str | None, progress: bool,
+            generated: dict | None = None) -> dict[str, tuple[SourceSpec, TokenStore]]:
+    """name -> (spec, store) for file/Hub sources (built on first use); `generated` stores (train/teacher_text.py) as given."""
     base = Path(root).expanduser() if root else None
     out = {}
     for name, entry in sources.items():
         spec = SourceSpec.from_recipe(name, entry)
-        buffer: list[int] = []
-        windows: list[list[int]] = []
-        for index, doc in enumerate(iter_source_documents(spec, base)):
-            if index % val_every:
-                continue
-            buffer.extend(tokenizer(doc, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
-            while len(buffer) >= seq_len and len(windows) * seq_len < val_tokens:
-                windows.append(buffer[:seq_len])
-                buffer = buffer[seq_len:]
-            if len(windows) * seq_len >= val_tokens:
-                break
-        if not windows:
-            raise SparseforgeError(f"source {name!r} has fewer than {seq_len} held-out tokens; lower val_every or seq_len")
-        out[name] = windows
+        if "generated" in entry:
+            if not generated or name not in generated:
+                raise SparseforgeError(f"source {name!r} is generated by the teacher; build it first (the training loop does)")
+            out[name] = (spec, generated[name])
+        else:
+            out[name] = (spec, open_store(spec, tokenizer, val_every, base, token_cache, progress))
+    return out
+
+
+def build_mixture(sources: dict, tokenizer, seq_len: int, val_every: int, seed: int, root: str | None = None,
+                  token_cache: str | None = None, progress: bool = False, generated: dict | None = None) -> Mixture:
+    """The recipe's `sources` mapping -> Mixture (token stores built on first use)."""
+    stores = _stores(sources, tokenizer, val_every, root, token_cache, progress, generated)
+    return Mixture([SourceStream(name, store, seq_len) for name, (_, store) in stores.items()],
+                   [spec.weight for spec, _ in stores.values()], seed)
+
+
+def validation_windows(sources: dict, tokenizer, seq_len: int, val_every: int, val_tokens: int, root: str | None = None,
+                       token_cache: str | None = None, progress: bool = False) -> dict[str, np.ndarray]:
+    """Per file/Hub source, [n, S] windows of the held-out documents (i % val_every == 0), up to val_tokens tokens.
+    Generated sources have no held-out part: validation is on real text."""
+    out = {}
+    real = {name: entry for name, entry in sources.items() if "generated" not in entry}
+    for name, (_, store) in _stores(real, tokenizer, val_every, root, token_cache, progress).items():
+        n = min(len(store.val) // seq_len, -(-val_tokens // seq_len))  # ceil(val_tokens / S) windows, if there are that many
+        if n == 0:
+            raise SparseforgeError(f"source {name!r} has fewer than {seq_len} held-out tokens (or val_tokens is 0); lower val_every or seq_len")
+        out[name] = np.asarray(store.val[: n * seq_len], dtype=np.int64).reshape(n, seq_len)
     return out

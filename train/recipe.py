@@ -6,6 +6,7 @@ combination is an error that names the key and the fix.
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,14 +22,14 @@ class Recipe:
 
     model: str  # dense source (alias, .gguf, HF dir, Hub id) converted on load, or a sparse checkpoint
     output_dir: str  # run directory: metrics.jsonl, state/step-N/ (resumable), checkpoint/ (the result)
-    sources: dict  # name -> {path: glob (relative to data_root) | hub: dataset id, weight: float, text_field: str}
+    sources: dict  # name -> {path: glob (relative to data_root) | hub: dataset id | generated: {tokens, ...}, weight: float, text_field: str}
     activation: str = "drelu"  # MLP activation when `model` is dense
     threshold: float | None = None  # t for shifted_relu / fatrelu (all layers)
     data_root: str | None = None  # base for relative source globs; default $SPARSEFORGE_DATA or ../shared/data
     seq_len: int = 512  # tokens per packed sequence
     micro_batch_size: int = 4  # sequences per forward pass per process
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
-    max_steps: int = 100  # optimizer steps
+    max_steps: int = 100  # optimizer steps end to end (0: stage 1 only)
     lr: float = 1e-4  # peak learning rate (AdamW)
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 10  # linear warmup steps
@@ -44,9 +45,15 @@ class Recipe:
     keep_states: int = 2  # resumable states kept on disk
     log_every: int = 1  # steps between metric lines
     report_to: list = field(default_factory=list)  # accelerate trackers, e.g. [wandb] (WANDB_MODE=offline works)
+    lm_weight: float = 1.0  # weight of the next-token cross-entropy (0: distillation only)
     distill_kl: float = 0.0  # weight of KL(teacher || student) on logits; teacher = the dense original (0 = off)
     distill_temperature: float = 1.0  # softmax temperature of the distillation KL
     teacher: str | None = None  # dense teacher spec; default: `model` when it is dense
+    teacher_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 elsewhere; or float32 | bfloat16 | float16
+    trainable: str = "all"  # all | mlp (attention, norms and embeddings frozen)
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
+    compile: bool = False  # torch.compile the decoder stack
+    token_cache: str | None = None  # token stores; default $SPARSEFORGE_CACHE/tokens or ~/.cache/sparseforge/tokens
     l1_coef: float = 0.0  # final weight of the mean |activation| penalty (ProSparse); 0 = off
     l1_ramp_steps: int = 0  # the L1 weight rises linearly from 0 to l1_coef over these steps
     swap_steps: int = 0  # blend SwiGLU -> target activation over the first N steps (0 = swap at once)
@@ -55,6 +62,7 @@ class Recipe:
     layerwise_lr: float = 1e-4  # Adam learning rate of layer-wise distillation
     layerwise_batch_tokens: int = 1024  # tokens per layer-wise optimizer step
     layerwise_inputs: str = "teacher"  # teacher: MLP inputs from the dense model; student: from already-distilled layers
+    layerwise_init: str = "lsq"  # lsq: per-neuron sign of (up, down), then down by least squares, before Adam; none: as converted
     device: str = "auto"  # auto: accelerate's choice; cpu forces CPU
     stages: dict = field(default_factory=dict)  # `sparseforge run`: extra arguments of the later stages (sparseforge/pipeline.py)
 
@@ -79,10 +87,26 @@ def _set_override(raw: dict, assignment: str) -> None:
     target[parts[-1]] = yaml.safe_load(value)
 
 
+def _number(value):
+    """A number written any way a person writes one: 1e-4 and 1_000 arrive from YAML 1.1 as strings."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip().replace("_", "")
+    try:
+        number = int(text) if text.lstrip("+-").isdigit() else float(text)
+    except ValueError:
+        return value
+    return number if math.isfinite(number) else value  # nan / inf stay text and fail the type check
+
+
 def _check_type(key: str, value, default):
     numeric = (int, float)
     if default is None or value is None:
         return value
+    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        value = _number(value)
+        if isinstance(default, int) and isinstance(value, float) and value.is_integer():
+            value = int(value)  # 1e6 tokens
     if isinstance(default, bool):
         ok = isinstance(value, bool)
     elif isinstance(default, int):
@@ -105,10 +129,10 @@ def validate(recipe: Recipe) -> Recipe:
     r = recipe
     if r.activation not in ACTIVATIONS:
         raise SparseforgeError(f"recipe key 'activation' is {r.activation!r}; choose one of {', '.join(ACTIVATIONS)}")
-    for key in ("seq_len", "micro_batch_size", "gradient_accumulation_steps", "max_steps", "log_every", "keep_states", "val_every"):
+    for key in ("seq_len", "micro_batch_size", "gradient_accumulation_steps", "log_every", "keep_states", "val_every"):
         if getattr(r, key) < 1:
             raise SparseforgeError(f"recipe key {key!r} must be >= 1, got {getattr(r, key)}")
-    for key in ("warmup_steps", "save_every", "eval_every", "val_tokens", "l1_ramp_steps", "swap_steps", "layerwise_tokens"):
+    for key in ("max_steps", "warmup_steps", "save_every", "eval_every", "val_tokens", "l1_ramp_steps", "swap_steps", "layerwise_tokens"):
         if getattr(r, key) < 0:
             raise SparseforgeError(f"recipe key {key!r} must be >= 0, got {getattr(r, key)}")
     for key in ("lr", "layerwise_lr", "distill_temperature"):
@@ -120,6 +144,14 @@ def validate(recipe: Recipe) -> Recipe:
         raise SparseforgeError(f"recipe key 'mixed_precision' is {r.mixed_precision!r}; use no, bf16 or fp16")
     if r.layerwise_inputs not in ("teacher", "student"):
         raise SparseforgeError(f"recipe key 'layerwise_inputs' is {r.layerwise_inputs!r}; use teacher or student")
+    if r.teacher_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise SparseforgeError(f"recipe key 'teacher_dtype' is {r.teacher_dtype!r}; use auto, float32, bfloat16 or float16")
+    if r.trainable not in ("all", "mlp"):
+        raise SparseforgeError(f"recipe key 'trainable' is {r.trainable!r}; use all or mlp")
+    if r.lm_weight < 0 or r.distill_kl < 0 or r.lm_weight + r.distill_kl == 0:
+        raise SparseforgeError(f"recipe keys lm_weight ({r.lm_weight}) and distill_kl ({r.distill_kl}) must be >= 0 and not both 0")
+    if r.layerwise_init not in ("lsq", "none"):
+        raise SparseforgeError(f"recipe key 'layerwise_init' is {r.layerwise_init!r}; use lsq or none")
     if r.warmup_steps > r.max_steps:
         raise SparseforgeError(f"warmup_steps ({r.warmup_steps}) exceeds max_steps ({r.max_steps}); lower warmup_steps")
     if r.activation in ("shifted_relu", "fatrelu") and r.threshold is None:
@@ -128,14 +160,20 @@ def validate(recipe: Recipe) -> Recipe:
         raise SparseforgeError("swap_steps blends SwiGLU into a sparse activation; with activation silu set swap_steps: 0")
     if not r.sources:
         raise SparseforgeError("recipe key 'sources' is empty; give at least one source with a path and a weight")
+    if all("generated" in src for src in r.sources.values() if isinstance(src, dict)):
+        raise SparseforgeError("every source is generated; keep at least one file or Hub source (its text prompts the teacher and is the validation set)")
     for name, src in r.sources.items():
         if not isinstance(src, dict):
             raise SparseforgeError(f"source {name!r} must be a mapping with path (or hub) and weight, got {src!r}")
-        unknown = set(src) - {"path", "hub", "weight", "text_field", "split", "name"}
+        unknown = set(src) - {"path", "hub", "generated", "weight", "text_field", "split", "name"}
         if unknown:
-            raise SparseforgeError(f"source {name!r} has unknown key(s) {sorted(unknown)}; allowed: path, hub, weight, text_field, split, name")
-        if ("path" in src) == ("hub" in src):
-            raise SparseforgeError(f"source {name!r} needs exactly one of 'path' (local glob) or 'hub' (dataset id)")
+            raise SparseforgeError(f"source {name!r} has unknown key(s) {sorted(unknown)}; allowed: path, hub, generated, weight, text_field, split, name")
+        if sum(k in src for k in ("path", "hub", "generated")) != 1:
+            raise SparseforgeError(f"source {name!r} needs exactly one of 'path' (local glob), 'hub' (dataset id) or 'generated' (teacher samples)")
+        if "generated" in src:
+            from sparseforge.train.teacher_text import check_generated
+
+            src["generated"] = check_generated(name, src["generated"])
         weight = src.get("weight", 1.0)
         if not isinstance(weight, (int, float)) or weight <= 0:
             raise SparseforgeError(f"source {name!r} weight must be a positive number, got {weight!r}")

@@ -1,0 +1,177 @@
+"""Recovery ablation: train recipe variants at one token budget and score each the same way, beside the original.
+
+A rows file (YAML) names the base recipe, the overrides every row shares, and the rows:
+
+    recipe: recipes/smollm2-135m-drelu.yaml
+    common: [max_steps=20, eval_every=0]          # the shared budget
+    score: {lambada_openai: 500, piqa: 500, arc_easy: 500, wikitext: 6}   # lm-eval task -> documents
+    rows:
+      - {name: old-stage1, set: [layerwise_init=none]}
+      - {name: lr-2e-4, set: [lr=2e-4], start: old-stage1}   # start: train from that row's checkpoint (no stage 1)
+
+Each row trains with the real loop into `--work/<name>` and is scored with lm-eval's stock HF backend on the
+trained weights (a dReLU model's plain forward is its exact-mask forward) on the local eval sets, plus the recipe's
+validation loss per source and the mean MLP zero fraction over the validation text. The original (dense) model is
+scored once as the reference row. Finished rows are kept: the results file is rewritten after every row, and
+a re-run trains and scores only what is missing (a row whose settings changed is redone).
+
+    python benchmarks/recovery.py benchmarks/rows/recovery-cpu.yaml
+
+Writes benchmarks/results/<rows file name>.json and .md.
+"""
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, environment  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MAIN_METRIC = {"lambada_openai": "acc", "piqa": "acc", "arc_easy": "acc", "arc_challenge": "acc", "hellaswag": "acc",
+               "winogrande": "acc", "boolq": "acc", "mmlu": "acc", "wikitext": "word_perplexity"}
+
+
+def _row_key(recipe: str, overrides: list[str], score: dict) -> str:
+    return hashlib.sha256(json.dumps([Path(recipe).read_text(), overrides, score], sort_keys=True).encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def zero_fraction(model, val: dict) -> float:
+    from sparseforge.families import mlp_activations
+
+    counts = torch.zeros(2, dtype=torch.float64)
+
+    def hook(module, args, h):
+        counts[0] += (h == 0).sum().item()
+        counts[1] += h.numel()
+
+    handles = [a.register_forward_hook(hook) for a in mlp_activations(model)]
+    try:
+        for windows in val.values():
+            for i in range(0, len(windows), 4):
+                model(torch.as_tensor(windows[i : i + 4]), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return float(counts[0] / counts[1])
+
+
+def score_model(model, tokenizer, score: dict, task_dir: Path) -> dict:
+    """lm-eval scores {task: {metric: value}} of an in-memory model, each task at its own document limit."""
+    from sparseforge.eval.harness import hf_lm, run_tasks, scores
+
+    lm = hf_lm(model, tokenizer, batch_size=8)
+    out = {}
+    for task, limit in score.items():
+        results = run_tasks(lm, [f"sf_{task}"], task_dir, limit=limit)
+        out[task] = {s.metric: s.value for s in scores(results)} | {"n": limit, "seconds": results["wall_seconds"]}
+    return out
+
+
+def validation(recipe, tokenizer, model) -> dict:
+    from sparseforge.train.mixture import validation_windows
+    from sparseforge.train.objective import Objective, validation_loss
+
+    val = validation_windows(recipe.sources, tokenizer, recipe.seq_len, recipe.val_every, recipe.val_tokens, recipe.data_root,
+                             recipe.token_cache)
+    loss = validation_loss(lambda ids: Objective(model, 1.0, 0.0, 1.0)(ids, evaluate=True), val, torch.device("cpu"), 4)
+    return {"val_loss": loss, "mlp_zero_fraction": zero_fraction(model, val) if hasattr(model.config, "sparsity") else 0.0}
+
+
+def main(argv=None) -> int:
+    from sparseforge.checkpoint import load_sparse
+    from sparseforge.eval.tasks import write_task_dir
+    from sparseforge.sources import load_model
+    from sparseforge.train.loop import train
+    from sparseforge.train.recipe import load_recipe
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("rows", help="rows file (YAML), see the module docstring")
+    p.add_argument("--work", default=None, help="where rows train (default runs/recovery/<rows file name>)")
+    p.add_argument("--only", default=None, help="comma-separated row names to (re)run; the others are kept as they are")
+    args = p.parse_args(argv)
+    spec = yaml.safe_load(Path(args.rows).read_text())
+    name = Path(args.rows).stem
+    work = Path(args.work or ROOT / "runs" / "recovery" / name)
+    out = RESULTS / name
+    previous = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").is_file() else {}
+    done = {row["name"]: row for row in previous.get("rows", [])}
+    task_dir = write_task_dir(None, work / "tasks", list(spec["score"]))
+    env = environment(torch.get_num_threads())
+    result = {"command": "python benchmarks/recovery.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "environment": env, "spec": spec, "rows": []}
+    base = load_recipe(spec["recipe"], spec.get("common", []))
+    key = _row_key(spec["recipe"], [], spec["score"])
+    if done.get("original", {}).get("key") == key:
+        result["rows"].append(done["original"])
+    else:
+        model, tokenizer, _ = load_model(base.model, dtype="float32")
+        result["rows"].append({"name": "original", "key": key, **validation(base, tokenizer, model), "scores": score_model(model, tokenizer, spec["score"], task_dir)})
+    _write(out, result)
+    only = set(args.only.split(",")) if args.only else None
+    for row in spec["rows"]:
+        overrides = list(spec.get("common", [])) + list(row.get("set", [])) + [f"output_dir={work / row['name']}"]
+        if row.get("start"):
+            overrides += [f"model={work / row['start'] / 'checkpoint'}", f"teacher={base.model}", "layerwise_tokens=0"]
+        key = _row_key(spec["recipe"], overrides, spec["score"])
+        if done.get(row["name"], {}).get("key") == key and (only is None or row["name"] not in only):
+            result["rows"].append(done[row["name"]])
+            continue
+        recipe = load_recipe(spec["recipe"], overrides)
+        ckpt = Path(recipe.output_dir) / "checkpoint"
+        start = time.perf_counter()
+        if not (ckpt / "config.json").is_file() or done.get(row["name"], {}).get("key") != key:
+            import shutil
+
+            shutil.rmtree(recipe.output_dir, ignore_errors=True)
+            train(recipe, progress=False)
+        seconds = time.perf_counter() - start
+        metrics = [json.loads(line) for line in (Path(recipe.output_dir) / "metrics.jsonl").read_text().splitlines()]
+        layerwise = next((m for m in metrics if m.get("stage") == "layerwise"), None)
+        model = load_sparse(ckpt)
+        tokenizer = load_model(str(ckpt))[1]
+        result["rows"].append({"name": row["name"], "key": key, "set": row.get("set", []), "start": row.get("start"),
+                               "train_seconds": seconds, "layerwise_seconds": layerwise["seconds"] if layerwise else 0.0,
+                               "trained_tokens": model.config.sparsity.get("trained_tokens", 0),
+                               "layerwise_tokens": model.config.sparsity.get("layerwise_tokens", 0),
+                               **validation(recipe, tokenizer, model), "scores": score_model(model, tokenizer, spec["score"], task_dir)})
+        _write(out, result)
+        print(table(result), flush=True)
+    print(table(result))
+    return 0
+
+
+def _write(out: Path, result: dict) -> None:
+    from sparseforge.checkpoint import atomic_write_text
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out.with_suffix(".json"), json.dumps(result, indent=1) + "\n")
+    atomic_write_text(out.with_suffix(".md"), table(result))
+
+
+def table(result: dict) -> str:
+    tasks = list(result["spec"]["score"])
+    head = ["row", "start", "overrides", "val loss web/code/math", "MLP zeros"] + [
+        f"{t} {MAIN_METRIC.get(t, '')} (n={result['spec']['score'][t]})" for t in tasks] + ["train min"]
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + " |"]
+    for row in result["rows"]:
+        val = "/".join(f"{v:.3f}" for v in row["val_loss"].values())
+        cells = [row["name"], row.get("start") or "", " ".join(row.get("set", [])), val, f"{row['mlp_zero_fraction']:.1%}"]
+        for t in tasks:
+            v = row["scores"][t].get(MAIN_METRIC.get(t, "acc"))
+            cells.append("" if v is None else f"{v:.2f}" if t == "wikitext" else f"{v:.3f}")
+        cells.append(f"{row.get('train_seconds', 0) / 60:.1f}" if "train_seconds" in row else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    common = " ".join(result["spec"].get("common", []))
+    return "\n".join(lines) + f"\n\nBase recipe `{result['spec']['recipe']}` with `{common}`. Command: `{result['command']}`\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

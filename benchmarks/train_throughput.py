@@ -1,0 +1,152 @@
+"""Training throughput of a recipe's end-to-end step on this device: tokens/s and model-FLOPs utilization.
+
+Runs the real training loop (`sparseforge.train.loop.train`, teacher included when the recipe distills) for
+`--warmup + --steps` optimizer steps with one metric line per step, and reports the median step time over the
+steps after the warm-up (the first steps pay for compilation, allocator growth and the token store). Stage 1 is
+skipped (layerwise_tokens=0): it is timed by its own log line in a real run.
+
+Model FLOPs per token (PaLM's accounting, no recomputation counted): the student's forward 2N + 4·L·d·S, its
+backward 2N + 8·L·d·S for activation gradients plus 2·N_trainable for weight gradients, and the teacher's forward
+2N + 4·L·d·S, where N counts every weight a token is multiplied by (the LM head included, the embedding lookup
+not), L layers, d the attention width, S the sequence length. MFU divides achieved FLOP/s by the device's peak:
+the datasheet dense figure for known GPUs at the step's precision, and on a CPU the float32 matmul rate measured
+here (so "MFU" there is the fraction of what this CPU's matmul reaches).
+
+    python benchmarks/train_throughput.py --config recipes/smollm2-135m-drelu.yaml --steps 6 --warmup 2
+    python benchmarks/train_throughput.py --config recipes/smollm2-135m-drelu-gpu.yaml --set micro_batch_size=32 --steps 20
+
+Writes benchmarks/results/train-throughput-<device>.json (+ .md). Tests never assert timings.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, environment  # noqa: E402
+
+# dense tensor-core peaks (FLOP/s) from NVIDIA's datasheets, by device-name fragment and precision
+GPU_PEAKS = {
+    "H100 SXM": {"bf16": 989.4e12, "fp16": 989.4e12, "no": 494.7e12},
+    "H100 80GB HBM3": {"bf16": 989.4e12, "fp16": 989.4e12, "no": 494.7e12},
+    "H100 PCIe": {"bf16": 756.0e12, "fp16": 756.0e12, "no": 378.0e12},
+    "H200": {"bf16": 989.4e12, "fp16": 989.4e12, "no": 494.7e12},
+    "A100": {"bf16": 312.0e12, "fp16": 312.0e12, "no": 156.0e12},
+}
+
+
+def flops_per_token(config, trainable_params: int, seq_len: int, teacher: bool) -> dict:
+    """Model FLOPs per trained token (see the module docstring)."""
+    d, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    attn_width = config.num_attention_heads * head_dim
+    per_layer = d * attn_width * 2 + d * kv * 2 + 3 * d * config.intermediate_size  # q, o, k, v, gate, up, down
+    n = layers * per_layer + vocab * d  # + the LM head
+    attention = 4 * layers * attn_width * seq_len  # scores and weighted sum, forward
+    forward = 2 * n + attention
+    student = forward + (2 * n + 2 * attention) + 2 * trainable_params
+    return {"matmul_params": n, "student": student, "teacher": forward if teacher else 0, "total": student + (forward if teacher else 0)}
+
+
+def cpu_peak(threads: int) -> float:
+    """float32 matmul FLOP/s on this CPU (2048^3, median of 5)."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    return 2 * 2048**3 / statistics.median(times)
+
+
+def peak(device: torch.device, precision: str, threads: int) -> tuple[float, str]:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peaks in GPU_PEAKS.items():
+            if key in name:
+                return peaks[precision], f"{name} datasheet dense {precision}"
+        return float("nan"), f"{name}: no datasheet peak known"
+    return cpu_peak(threads), f"measured float32 matmul, {threads} threads"
+
+
+def main(argv=None) -> int:
+    from sparseforge.train.loop import train
+    from sparseforge.train.recipe import load_recipe
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="recipe YAML")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="recipe override (repeatable)")
+    p.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--threads", type=int, default=None, help="torch threads on a CPU (default: torch's choice)")
+    p.add_argument("--out", default=None, help="result path without suffix (default benchmarks/results/train-throughput-<device>)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    env = environment(torch.get_num_threads())
+    with tempfile.TemporaryDirectory() as tmp:
+        fixed = [f"output_dir={tmp}/run", f"max_steps={args.warmup + args.steps}", "warmup_steps=0", "layerwise_tokens=0",
+                 "log_every=1", "eval_every=0", "save_every=0", "report_to=[]"]
+        recipe = load_recipe(args.config, args.overrides + fixed)
+        train(recipe, progress=False)
+        lines = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+        start = next(line for line in lines if line.get("event") == "start")
+        steps = [line for line in lines if "step_seconds" in line]
+        from sparseforge.checkpoint import load_sparse
+
+        model = load_sparse(Path(tmp) / "run" / "checkpoint")
+    trainable = sum(p.numel() for n, p in model.named_parameters() if recipe.trainable == "all" or ".mlp." in n)
+    tokens_per_step = recipe.micro_batch_size * start["num_processes"] * recipe.gradient_accumulation_steps * recipe.seq_len
+    step_s = statistics.median(s["step_seconds"] for s in steps[args.warmup:])
+    flops = flops_per_token(model.config, trainable, recipe.seq_len, recipe.distill_kl > 0)
+    device = torch.device(start["device"])
+    peak_flops, peak_source = peak(device, start["mixed_precision"], torch.get_num_threads())
+    tokens_per_s = tokens_per_step / step_s
+    result = {
+        "command": "python benchmarks/train_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "environment": {**env, "device": start["device"], "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+                        "distributed_type": start["distributed_type"], "num_processes": start["num_processes"],
+                        "mixed_precision": start["mixed_precision"], "python": platform.python_version()},
+        "recipe": {k: v for k, v in recipe.to_dict().items() if k not in ("stages", "output_dir")},
+        "tokens_per_step": tokens_per_step,
+        "step_seconds": [round(s["step_seconds"], 4) for s in steps],
+        "median_step_seconds": step_s,
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": flops,
+        "peak_flops": peak_flops,
+        "peak_source": peak_source,
+        "mfu": tokens_per_s * flops["total"] / peak_flops,
+        "final_loss": steps[-1]["loss"],
+    }
+    out = Path(args.out) if args.out else RESULTS / f"train-throughput-{device.type}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(table(result))
+    print(table(result))
+    return 0
+
+
+def table(r: dict) -> str:
+    rec = r["recipe"]
+    return (
+        "| device | precision | seq | tokens/step | teacher | trainable | step s (median) | tokens/s | MFU |\n"
+        "| --- | --- | ---: | ---: | --- | --- | ---: | ---: | ---: |\n"
+        f"| {r['environment']['device_name'] or r['environment']['device']} | {r['environment']['mixed_precision']} | {rec['seq_len']} | "
+        f"{r['tokens_per_step']} | {'yes' if rec['distill_kl'] > 0 else 'no'} | {rec['trainable']} | {r['median_step_seconds']:.3f} | "
+        f"{r['tokens_per_s']:,.0f} | {r['mfu']:.1%} |\n\n"
+        f"MFU against {r['peak_source']} ({r['peak_flops'] / 1e12:.1f} TFLOP/s). Command: `{r['command']}`\n"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
