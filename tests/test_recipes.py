@@ -54,7 +54,7 @@ BASE = {"model": "m", "output_dir": "o", "sources": {"web": {"path": "x/*.jsonl"
     [
         ({"learning_rate": 1e-4}, r"unknown recipe key\(s\) \['learning_rate'\]"),
         ({"max_steps": "ten"}, "'max_steps' must be int, got 'ten'"),
-        ({"max_steps": 0}, "'max_steps' must be >= 1, got 0"),
+        ({"max_steps": -1}, "'max_steps' must be >= 0, got -1"),
         ({"lr": -1.0}, "'lr' must be > 0"),
         ({"activation": "gelu"}, "'activation' is 'gelu'"),
         ({"mixed_precision": "fp8"}, "'mixed_precision' is 'fp8'"),

@@ -152,7 +152,7 @@ def validate(recipe: Recipe) -> Recipe:
         raise SparseforgeError(f"recipe keys lm_weight ({r.lm_weight}) and distill_kl ({r.distill_kl}) must be >= 0 and not both 0")
     if r.layerwise_init not in ("lsq", "none"):
         raise SparseforgeError(f"recipe key 'layerwise_init' is {r.layerwise_init!r}; use lsq or none")
-    if r.warmup_steps > r.max_steps:
+    if r.max_steps and r.warmup_steps > r.max_steps:
         raise SparseforgeError(f"warmup_steps ({r.warmup_steps}) exceeds max_steps ({r.max_steps}); lower warmup_steps")
     if r.activation in ("shifted_relu", "fatrelu") and r.threshold is None:
         raise SparseforgeError(f"activation {r.activation} needs recipe key 'threshold'")
