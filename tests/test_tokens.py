@@ -72,6 +72,17 @@ def test_store_is_built_once_and_rebuilt_when_a_file_changes(workspace, tmp_path
     assert open_store(spec, tok, 5, data, tmp_path / "cache", progress=False).meta["val_docs"] == 12  # val_every is in the key
 
 
+def test_max_tokens_stops_reading_the_source(workspace, tmp_path):
+    tok = tiny_tokenizer()
+    whole = open_store(SourceSpec.from_recipe("web", SOURCES["web"]), tok, 10, workspace / "data", tmp_path, progress=False)
+    cap = whole.meta["train_tokens"] // 3
+    spec = SourceSpec.from_recipe("web", {**SOURCES["web"], "max_tokens": cap})
+    capped = open_store(spec, tok, 10, workspace / "data", tmp_path, progress=False)
+    assert capped.path != whole.path and cap <= capped.meta["train_tokens"] < whole.meta["train_tokens"]
+    n = capped.meta["train_tokens"]
+    assert capped.train.tolist() == whole.train[:n].tolist()  # the first documents, whole
+
+
 def test_truncated_store_names_the_file_and_the_fix(workspace, tmp_path):
     tok = tiny_tokenizer()
     spec = SourceSpec.from_recipe("code", SOURCES["code"])

@@ -22,7 +22,7 @@ def _losses(run_dir):
 
 
 def test_pinned_losses_and_run_directory(workspace, tmp_path):
-    ckpt = train(_recipe(workspace, tmp_path / "run"), progress=False)
+    ckpt = train(_recipe(workspace, tmp_path / "run", keep_final_state=True), progress=False)
     losses, lines = _losses(tmp_path / "run")
     # regression pin: 2x2 steps, seed 0 (re-pin deliberately if the loop's semantics change)
     assert losses == pytest.approx(PINNED, rel=1e-4)
@@ -45,6 +45,7 @@ def test_resume_equals_uninterrupted(workspace, tmp_path):
     train(_recipe(workspace, tmp_path / "split"), resume=True, progress=False)
     split, _ = _losses(tmp_path / "split")
     assert split == pytest.approx(full, rel=1e-6)
+    assert not (tmp_path / "full" / "state").exists()  # removed once the checkpoint is complete (keep_final_state: false)
 
 
 def test_recovery_options_run_and_log(workspace, tmp_path):
@@ -172,3 +173,16 @@ def test_numbers_written_any_way_are_accepted(workspace, tmp_path):
         load_recipe(raw=raw, overrides=["lr=nan"])
     with pytest.raises(SparseforgeError, match="recipe key 'max_steps' must be int, got 2.5"):
         load_recipe(raw=raw, overrides=["max_steps=2.5"])
+
+
+def test_tokenize_only_builds_the_stores_without_a_model(workspace, tmp_path, capsys):
+    import yaml
+
+    from sparseforge.train.cli import main
+
+    config = tmp_path / "r.yaml"
+    config.write_text(yaml.safe_dump(tiny_recipe(workspace, tmp_path / "run", token_cache=str(tmp_path / "cache")), sort_keys=False))
+    assert main(["--config", str(config), "--tokenize-only", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert [line.split(":")[0] for line in printed.splitlines()] == ["web", "code", "math"]
+    assert len(list((tmp_path / "cache").glob("*/meta.json"))) == 3 and not (tmp_path / "run" / "checkpoint").exists()

@@ -11,6 +11,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its latest saved state")
     p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                    help="save the state and stop at this step (continue later with --resume)")
+    p.add_argument("--tokenize-only", action="store_true",
+                   help="build the recipe's token stores of file and Hub sources (tokenizer only, no model) and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -30,6 +32,12 @@ def train_command(args) -> int:
     from sparseforge.train.recipe import load_recipe
 
     recipe = load_recipe(args.config, args.overrides)
+    if args.tokenize_only:
+        from sparseforge.train.mixture import tokenize_sources
+
+        for name, store in tokenize_sources(recipe, progress=not args.no_progress).items():
+            print(f"{name}: {store.meta['train_tokens']:,} training + {store.meta['val_tokens']:,} held-out tokens in {store.path}")
+        return 0
     checkpoint = train(recipe, resume=args.resume, progress=not args.no_progress, stop_after=args.stop_after)
     if checkpoint is not None:
         print(f"wrote {checkpoint}")

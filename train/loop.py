@@ -295,7 +295,11 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
         paused += time.perf_counter() - pause
     bar.close()
     hooks.remove()
-    return _write_checkpoint(accelerator, objective, tokenizer, r, run_dir, step * tokens_per_step)
+    checkpoint = _write_checkpoint(accelerator, objective, tokenizer, r, run_dir, step * tokens_per_step)
+    if main and not r.keep_final_state:  # the checkpoint is complete: the optimizer states are only disk now
+        shutil.rmtree(state_dir, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return checkpoint
 
 
 def _write_checkpoint(accelerator, objective, tokenizer, r: Recipe, run_dir: Path, trained_tokens: int) -> Path:

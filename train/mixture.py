@@ -128,3 +128,12 @@ def validation_windows(sources: dict, tokenizer, seq_len: int, val_every: int, v
             raise SparseforgeError(f"source {name!r} has fewer than {seq_len} held-out tokens (or val_tokens is 0); lower val_every or seq_len")
         out[name] = np.asarray(store.val[: n * seq_len], dtype=np.int64).reshape(n, seq_len)
     return out
+
+
+def tokenize_sources(recipe, progress: bool = True) -> dict[str, TokenStore]:
+    """Build (or find) the token store of every file/Hub source of a recipe: name -> store. Needs only the tokenizer."""
+    from sparseforge.sources import load_tokenizer
+
+    real = {name: entry for name, entry in recipe.sources.items() if "generated" not in entry}
+    stores = _stores(real, load_tokenizer(recipe.model), recipe.val_every, recipe.data_root, recipe.token_cache, progress)
+    return {name: store for name, (_, store) in stores.items()}

@@ -22,7 +22,7 @@ class Recipe:
 
     model: str  # dense source (alias, .gguf, HF dir, Hub id) converted on load, or a sparse checkpoint
     output_dir: str  # run directory: metrics.jsonl, state/step-N/ (resumable), checkpoint/ (the result)
-    sources: dict  # name -> {path: glob (relative to data_root) | hub: dataset id | generated: {tokens, ...}, weight: float, text_field: str}
+    sources: dict  # name -> {path: glob (relative to data_root) | hub: dataset id | generated: {tokens, ...}, weight: float, text_field: str, max_tokens: int}
     activation: str = "drelu"  # MLP activation when `model` is dense
     threshold: float | None = None  # t for shifted_relu / fatrelu (all layers)
     data_root: str | None = None  # base for relative source globs; default $SPARSEFORGE_DATA or ../shared/data
@@ -42,7 +42,8 @@ class Recipe:
     val_tokens: int = 4096  # validation tokens per source
     eval_every: int = 50  # steps between validation runs (also at step 0 and at the end)
     save_every: int = 50  # steps between resumable state saves (0 = only at the end)
-    keep_states: int = 2  # resumable states kept on disk
+    keep_states: int = 2  # resumable states kept on disk while training
+    keep_final_state: bool = False  # keep state/ after the checkpoint is written (to extend the run with --resume); false frees its disk
     log_every: int = 1  # steps between metric lines
     report_to: list = field(default_factory=list)  # accelerate trackers, e.g. [wandb] (WANDB_MODE=offline works)
     lm_weight: float = 1.0  # weight of the next-token cross-entropy (0: distillation only)
@@ -165,15 +166,18 @@ def validate(recipe: Recipe) -> Recipe:
     for name, src in r.sources.items():
         if not isinstance(src, dict):
             raise SparseforgeError(f"source {name!r} must be a mapping with path (or hub) and weight, got {src!r}")
-        unknown = set(src) - {"path", "hub", "generated", "weight", "text_field", "split", "name"}
+        unknown = set(src) - {"path", "hub", "generated", "weight", "text_field", "split", "name", "max_tokens"}
         if unknown:
-            raise SparseforgeError(f"source {name!r} has unknown key(s) {sorted(unknown)}; allowed: path, hub, generated, weight, text_field, split, name")
+            raise SparseforgeError(f"source {name!r} has unknown key(s) {sorted(unknown)}; allowed: path, hub, generated, weight, text_field, split, name, max_tokens")
         if sum(k in src for k in ("path", "hub", "generated")) != 1:
             raise SparseforgeError(f"source {name!r} needs exactly one of 'path' (local glob), 'hub' (dataset id) or 'generated' (teacher samples)")
         if "generated" in src:
             from sparseforge.train.teacher_text import check_generated
 
             src["generated"] = check_generated(name, src["generated"])
+        cap = src.get("max_tokens")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0 or "generated" in src):
+            raise SparseforgeError(f"source {name!r} max_tokens must be a positive integer on a path or hub source, got {cap!r}")
         weight = src.get("weight", 1.0)
         if not isinstance(weight, (int, float)) or weight <= 0:
             raise SparseforgeError(f"source {name!r} weight must be a positive number, got {weight!r}")

@@ -42,11 +42,12 @@ class SourceSpec:
     text_field: str = "text"
     split: str = "train"
     config_name: str | None = None  # Hub dataset config
+    max_tokens: int | None = None  # stop reading the source once this many training tokens are stored
 
     @classmethod
     def from_recipe(cls, name: str, entry: dict) -> "SourceSpec":
         return cls(name, float(entry.get("weight", 1.0)), entry.get("path"), entry.get("hub"),
-                   entry.get("text_field", "text"), entry.get("split", "train"), entry.get("name"))
+                   entry.get("text_field", "text"), entry.get("split", "train"), entry.get("name"), entry.get("max_tokens"))
 
 
 def cache_root(token_cache: str | None = None) -> Path:
@@ -127,6 +128,8 @@ def _build(spec: SourceSpec, tokenizer, val_every: int, root: Path | None, key: 
             def flush():
                 ids = tokenizer([d for _, d in batch], add_special_tokens=False)["input_ids"]
                 for (index, _), doc_ids in zip(batch, ids):
+                    if full():
+                        break
                     part = "val" if index % val_every == 0 else "train"
                     arr = np.asarray(doc_ids + [tokenizer.eos_token_id], dtype=dtype)
                     (val if part == "val" else train).write(arr.tobytes())
@@ -134,11 +137,14 @@ def _build(spec: SourceSpec, tokenizer, val_every: int, root: Path | None, key: 
                     counts[f"{part}_docs"] += 1
                 batch.clear()
 
+            full = lambda: spec.max_tokens is not None and counts["train_tokens"] >= spec.max_tokens  # noqa: E731
             docs = iter_source_documents(spec, root)
             for index, doc in enumerate(tqdm(docs, desc=f"tokenizing {spec.name}", unit="doc", disable=not progress)):
                 batch.append((index, doc))
                 if len(batch) == _BATCH_DOCS:
                     flush()
+                    if full():
+                        break
             if batch:
                 flush()
         meta = {"format_version": TOKEN_STORE_VERSION, "dtype": np.dtype(dtype).name, **counts, "key": key}

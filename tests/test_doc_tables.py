@@ -1,0 +1,26 @@
+"""Tables in the docs are the benchmark result files they name, byte for byte."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _doc_tables():
+    spec = importlib.util.spec_from_file_location("bench_doc_tables", ROOT / "benchmarks" / "doc_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_render_replaces_marked_blocks(tmp_path):
+    dt = _doc_tables()
+    (tmp_path / "r.md").write_text("| a |\n| --- |\n| 1 |\n")
+    doc = "intro\n<!-- table: r.md -->\nold\n<!-- end table -->\nafter\n"
+    assert dt.render(doc, tmp_path) == "intro\n<!-- table: r.md -->\n| a |\n| --- |\n| 1 |\n<!-- end table -->\nafter\n"
+
+
+def test_docs_tables_match_their_result_files():
+    dt = _doc_tables()
+    stale = [d.name for d in dt.docs() if dt.render(d.read_text()) != d.read_text()]
+    assert not stale, f"stale tables in {stale}; run python benchmarks/doc_tables.py"
