@@ -12,7 +12,8 @@ A rows file (YAML) names the base recipe, the overrides every row shares, and th
 Each row trains with the real loop into `--work/<name>` and is scored with lm-eval's stock HF backend on the
 trained weights (a dReLU model's plain forward is its exact-mask forward) on the local eval sets, plus the recipe's
 validation loss per source and the mean MLP zero fraction over the validation text. The original (dense) model is
-scored once as the reference row. Finished rows are kept: the results file is rewritten after every row, and
+scored once as the reference row. "train min" is training compute: stage 1 plus the optimizer steps (model
+loading, validation and saves excluded). Finished rows are kept: the results file is rewritten after every row, and
 a re-run trains and scores only what is missing (a row whose settings changed is redone).
 
     python benchmarks/recovery.py benchmarks/rows/recovery-cpu.yaml
@@ -24,7 +25,6 @@ import argparse
 import hashlib
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,6 +36,16 @@ from common import RESULTS, environment  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 MAIN_METRIC = {"lambada_openai": "acc", "piqa": "acc", "arc_easy": "acc", "arc_challenge": "acc", "hellaswag": "acc",
                "winogrande": "acc", "boolq": "acc", "mmlu": "acc", "wikitext": "word_perplexity"}
+
+
+def _trained(recipe, ckpt: Path) -> bool:
+    """A complete checkpoint of a run with exactly these resolved settings is already there."""
+    run_recipe = Path(recipe.output_dir) / "recipe.yaml"
+    if not ((ckpt / "config.json").is_file() and run_recipe.is_file()):
+        return False
+    ran, wanted = yaml.safe_load(run_recipe.read_text()), yaml.safe_load(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    defaults = yaml.safe_load(yaml.safe_dump(type(recipe)(model="", output_dir="", sources={}).to_dict()))
+    return all(ran.get(k, defaults.get(k)) == v for k, v in wanted.items())  # keys a run predates count at their default
 
 
 def _row_key(recipe: str, overrides: list[str], score: dict) -> str:
@@ -126,15 +136,17 @@ def main(argv=None) -> int:
             continue
         recipe = load_recipe(spec["recipe"], overrides)
         ckpt = Path(recipe.output_dir) / "checkpoint"
-        start = time.perf_counter()
-        if not (ckpt / "config.json").is_file() or done.get(row["name"], {}).get("key") != key:
+        if not _trained(recipe, ckpt):
             import shutil
 
             shutil.rmtree(recipe.output_dir, ignore_errors=True)
             train(recipe, progress=False)
-        seconds = time.perf_counter() - start
         metrics = [json.loads(line) for line in (Path(recipe.output_dir) / "metrics.jsonl").read_text().splitlines()]
         layerwise = next((m for m in metrics if m.get("stage") == "layerwise"), None)
+        # training compute: stage 1 plus the optimizer steps (model loading, validation and saves excluded)
+        steps = [m for m in metrics if "step_seconds" in m]
+        seconds = (layerwise["seconds"] if layerwise else 0.0) + sum(
+            m["step_seconds"] * (m["step"] - prev) for m, prev in zip(steps, [0] + [m["step"] for m in steps]))
         model = load_sparse(ckpt)
         tokenizer = load_model(str(ckpt))[1]
         result["rows"].append({"name": row["name"], "key": key, "set": row.get("set", []), "start": row.get("start"),
