@@ -87,11 +87,11 @@ def score_model(model, tokenizer, score: dict, task_dir: Path) -> dict:
 
 def validation(recipe, tokenizer, model) -> dict:
     from sparseforge.train.mixture import validation_windows
-    from sparseforge.train.objective import Objective, validation_loss
+    from sparseforge.train.objective import model_validation_loss
 
     val = validation_windows(recipe.sources, tokenizer, recipe.seq_len, recipe.val_every, recipe.val_tokens, recipe.data_root,
                              recipe.token_cache)
-    loss = validation_loss(lambda ids: Objective(model, 1.0, 0.0, 1.0)(ids, evaluate=True), val, torch.device("cpu"), 4)
+    loss = model_validation_loss(model, val, torch.device("cpu"), 4)
     return {"val_loss": loss, "mlp_zero_fraction": zero_fraction(model, val) if hasattr(model.config, "sparsity") else 0.0}
 
 

@@ -28,7 +28,7 @@ from sparseforge.sparsify.convert import convert_model, model_card
 from sparseforge.train.hooks import ActivationHooks
 from sparseforge.train.layerwise import LayerwiseSettings, distill_layerwise
 from sparseforge.train.mixture import build_mixture, validation_windows
-from sparseforge.train.objective import Objective, teacher_outputs, validation_loss
+from sparseforge.train.objective import Objective, model_validation_loss, teacher_outputs, validation_loss
 from sparseforge.train.recipe import Recipe
 from sparseforge.train.schedules import lr_multiplier, ramp
 
@@ -189,14 +189,13 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
         data["generated"] = _generated_sources(r, teacher, data)
         mixture = build_mixture(r.sources, seq_len=r.seq_len, seed=r.seed, **data)
 
-    sums = lambda m: (lambda ids: Objective(m, 1.0, 0.0, 1.0)(ids, evaluate=True))  # noqa: E731
     if teacher is not None and latest is None:  # where recovery should head: the dense original on the same text
-        log.write({"step": 0, "reference": "dense teacher", "val_loss": validation_loss(sums(teacher), val, device, r.micro_batch_size)})
+        log.write({"step": 0, "reference": "dense teacher", "val_loss": model_validation_loss(teacher, val, device, r.micro_batch_size)})
     val_loss_now = None  # the student's validation loss, when stage 1 has just measured it
     if r.layerwise_tokens and latest is None:  # a resumed state already holds the stage-1 weights
-        before = validation_loss(sums(model), val, device, r.micro_batch_size)
+        before = model_validation_loss(model, val, device, r.micro_batch_size)
         record = _stage1(r, model, teacher, build_mixture(r.sources, seq_len=r.seq_len, seed=r.seed, **data), device, progress and main)
-        record.update(val_loss_before=before, val_loss_after=(val_loss_now := validation_loss(sums(model), val, device, r.micro_batch_size)))
+        record.update(val_loss_before=before, val_loss_after=(val_loss_now := model_validation_loss(model, val, device, r.micro_batch_size)))
         log.write({k: v for k, v in record.items() if k != "layers"})
         if main:
             atomic_write_text(run_dir / "layerwise.json", json.dumps(record, indent=1) + "\n")

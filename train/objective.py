@@ -66,3 +66,8 @@ def validation_loss(forward_sums, val: dict, device, batch: int) -> dict[str, fl
             count += c.double()
         out[name] = (total / count).item()
     return out
+
+
+def model_validation_loss(model, val: dict, device, batch: int) -> dict[str, float]:
+    """validation_loss of a bare model (no accelerate wrapper): next-token CE per source."""
+    return validation_loss(lambda ids: Objective(model, 1.0, 0.0, 1.0)(ids, evaluate=True), val, device, batch)

@@ -12,7 +12,6 @@ source (train/tokens.py: `train.bin`, `meta.json`; no held-out part: validation 
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from sparseforge.errors import SparseforgeError
-from sparseforge.train.tokens import TOKEN_STORE_VERSION, TokenStore, cache_root, tokenizer_fingerprint
+from sparseforge.train.tokens import TOKEN_STORE_VERSION, TokenStore, cache_root, publish_store, tokenizer_fingerprint
 
 GENERATED_KEYS = {"tokens", "prompt_tokens", "temperature", "batch"}
 
@@ -86,14 +85,7 @@ def generate_store(name: str, settings: dict, teacher, tokenizer, prompts, seq_l
                 "train_docs": docs, "val_docs": 0, "key": key}
         (tmp / "val.bin").write_bytes(b"")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o777 & ~mask)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished it first
-            if not (final / "meta.json").is_file():
-                raise
+        publish_store(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return TokenStore(final)

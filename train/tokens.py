@@ -149,14 +149,20 @@ def _build(spec: SourceSpec, tokenizer, val_every: int, root: Path | None, key: 
                 flush()
         meta = {"format_version": TOKEN_STORE_VERSION, "dtype": np.dtype(dtype).name, **counts, "key": key}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-        os.chmod(tmp, 0o777 & ~_umask())
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished the same store first: keep theirs
-            if not (final / "meta.json").is_file():
-                raise
+        publish_store(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def publish_store(tmp: Path, final: Path) -> None:
+    """Make a finished store folder visible under its final name: permissions as a plain mkdir gives, then one rename
+    (complete or absent). If another process published the same store first, theirs is kept."""
+    os.chmod(tmp, 0o777 & ~_umask())
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / "meta.json").is_file():
+            raise
 
 
 def _umask() -> int:
