@@ -121,7 +121,8 @@ def read_bandwidth(path: Path, sizes=(256 * 1024, 1024 * 1024), total: int = 256
 
 
 def main() -> None:
-    from sparseforge.runtime.plan import PlanRequest, make_plan, parse_size
+    from sparseforge.runtime.plan import PlanRequest, make_plan
+    from sparseforge.runtime.sizes import parse_size
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ckpt", default=str(DEFAULT_CKPT), help="the dReLU checkpoint (predictors + profile)")

@@ -92,7 +92,7 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str
 
 def write_results(name: str, data: dict, table: str, out_dir: Path = RESULTS) -> tuple[Path, Path]:
     """Write out_dir/name.json (data) and out_dir/name.md (the table and the run's settings), atomically."""
-    from sparseforge.checkpoint import atomic_write_text
+    from sparseforge.atomic import atomic_write_text
 
     out_dir.mkdir(parents=True, exist_ok=True)
     data = {**data, "loadavg_end": os.getloadavg()}

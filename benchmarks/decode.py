@@ -67,7 +67,7 @@ class Sparseforge:
         self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False,
                                   predictor_dtype=predictor_dtype, head_screen=None if head_screen else False)  # fmt: skip
         self.name = "sparseforge oracle (exact masks)" if mode == "oracle" else f"sparseforge {mode}"
-        if not head_screen and self.engine.weights.lm_head.weight.dtype != torch.int8:
+        if not head_screen and self.engine.model.weights.lm_head.weight.dtype != torch.int8:
             self.name += " (full head)"
         self.bytes, self.sampling = [], sampling or {}
 

@@ -7,7 +7,7 @@
    last-level cache and flatters the kernel), median of --reps calls: GB/s of weights read and GMAC/s.
 2. Decode breakdown: the dReLU SmolLM2 checkpoint decoded greedily in each engine mode and weight dtype, the
    attention blocks, predictors and MLPs (timed inside the one-call decode step, runtime/decode.py LeanStep) and
-   the head per token (ms/token, median token time over --new-tokens greedy steps, Engine.decode_greedy). "MLP" is
+   the head per token (ms/token, median token time over --new-tokens greedy steps, Engine.decode). "MLP" is
    the sparse MLP kernel, or for the dense mode its gate_up and down matvecs and activation; "head" is the lm_head's
    int8 screen and its candidate rows (float heads; runtime/head.py), or the whole lm_head (int8, or --full-head).
 """
@@ -70,16 +70,16 @@ def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens
 
     engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, threads=threads, progress=False, head_screen=None if head_screen else False)
     totals: dict[str, float] = defaultdict(float)
-    lib = engine._row.lib
+    lib = engine.step.row.lib
     wrapped = {name: Timed(getattr(lib, name), name, totals) for name in ("sf_attention_decode", "sf_rms_norm")}
-    engine._row.lib = type("Lib", (), wrapped)()
+    engine.step.row.lib = type("Lib", (), wrapped)()
     saved = {name: getattr(kernels, name) for name in ("sparse_mlp_native", "predict_native")}
     for name, fn in saved.items():
         setattr(kernels, name, Timed(fn, name, totals))
-    engine.weights.lm_head = Timed(engine.weights.lm_head, "lm_head", totals)
-    if engine.head_screen is not None:
-        engine.head_screen.argmax = Timed(engine.head_screen.argmax, "lm_head", totals)
-    lean = engine._row.lean  # one native call per step (sf_decode_layers), which times its parts itself
+    engine.head.linear = Timed(engine.head.linear, "lm_head", totals)
+    if engine.head.screen is not None:
+        engine.head.screen.argmax = Timed(engine.head.screen.argmax, "lm_head", totals)
+    lean = engine.step.row.lean  # one native call per step (sf_decode_layers), which times its parts itself
     try:
         cache = engine.new_cache(1)
         engine.forward(torch.randint(0, engine.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0)), cache)
@@ -88,7 +88,7 @@ def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens
         before = list(lean.seconds) if lean else None
         for _ in range(new_tokens):
             start = time.perf_counter()
-            token = engine.decode_greedy(token, cache)
+            token = engine.decode(token, cache)
             steps.append(time.perf_counter() - start)
         if lean:
             for name, a, b in zip(("sf_attention_decode", "predict_native", "sparse_mlp_native"), before, lean.seconds):
@@ -96,7 +96,7 @@ def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens
     finally:
         for name, fn in saved.items():
             setattr(kernels, name, fn)
-    row = {"mode": mode, "dtype": dtype, "head": "screen" if engine.head_screen is not None else "full", "tok_s": 1 / median(steps),
+    row = {"mode": mode, "dtype": dtype, "head": "screen" if engine.head.screen is not None else "full", "tok_s": 1 / median(steps),
            "ms_token": 1000 * sum(steps) / new_tokens}  # fmt: skip
     for name in ("sf_attention_decode", "lm_head", "predict_native", "sparse_mlp_native"):
         row[name] = 1000 * totals.get(name, 0.0) / new_tokens

@@ -1,1 +1,1 @@
-"""Stage 5, runtime: placement plans, neuron store and cache, sparse decode engine (issue 5)."""
+"""The runtime stage: placement plans, the neuron store and cache, kernels, and the sparse decode engine."""

@@ -26,7 +26,6 @@ import mmap
 import os
 import secrets
 import struct
-import tempfile
 import threading
 import zlib
 from dataclasses import dataclass
@@ -36,9 +35,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from sparseforge.checkpoint import atomic_write_text
+from sparseforge.atomic import atomic_path, atomic_write_text
 from sparseforge.errors import SparseforgeError
-from sparseforge.runtime.plan import DTYPES, model_shape, neuron_bytes
+from sparseforge.runtime.sizes import DTYPES, model_shape, neuron_bytes
 from sparseforge.runtime.units import convert_bundles, make_bundles
 from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader
 
@@ -97,28 +96,19 @@ def build_bundles(ckpt: str | Path, dtype: str, progress: bool = True) -> Path:
     bin_path.parent.mkdir(exist_ok=True)
     build_id = secrets.token_hex(8)
     units, offset = [], ALIGN
-    fd, tmp = tempfile.mkstemp(prefix=f".{bin_path.name}.", dir=bin_path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_header(build_id).ljust(ALIGN, b"\0"))
-            names = [(i, e) for i in range(shape.layers) for e in range(shape.experts)]
-            for i, e in tqdm(names, desc=f"bundles {dtype}", unit="unit", disable=not progress):
-                ids = order[i, e]
-                records, channels = encode_records(make_bundles(*(w.float() for w in weights.mlp(i, e)))[ids], dtype)
-                raw = records.numpy().tobytes()
-                crcs = [zlib.crc32(raw[k * record : (k + 1) * record]) for k in range(len(records))]
-                f.write(raw.ljust(unit_bytes, b"\0"))
-                units.append({"layer": i, "expert": e, "offset": offset, "order": ids.tolist(), "crc32": crcs})
-                if channels is not None:  # float32 values, exact through JSON's doubles
-                    units[-1]["channels"] = channels.tolist()
-                offset += unit_bytes
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, bin_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(bin_path) as tmp, open(tmp, "wb") as f:
+        f.write(_header(build_id).ljust(ALIGN, b"\0"))
+        names = [(i, e) for i in range(shape.layers) for e in range(shape.experts)]
+        for i, e in tqdm(names, desc=f"bundles {dtype}", unit="unit", disable=not progress):
+            ids = order[i, e]
+            records, channels = encode_records(make_bundles(*(w.float() for w in weights.mlp(i, e)))[ids], dtype)
+            raw = records.numpy().tobytes()
+            crcs = [zlib.crc32(raw[k * record : (k + 1) * record]) for k in range(len(records))]
+            f.write(raw.ljust(unit_bytes, b"\0"))
+            units.append({"layer": i, "expert": e, "offset": offset, "order": ids.tolist(), "crc32": crcs})
+            if channels is not None:  # float32 values, exact through JSON's doubles
+                units[-1]["channels"] = channels.tolist()
+            offset += unit_bytes
     index = {
         "format_version": BUNDLES_FORMAT_VERSION, "dtype": dtype, "build_id": build_id,
         "layers": shape.layers, "experts": shape.experts, "hidden": shape.hidden, "intermediate": shape.intermediate,

@@ -31,6 +31,18 @@ def raw_prompt_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
+def encode_prompt(tokenizer, prompt: str, template: str | None = None) -> list[int]:
+    """A prompt's token ids: template "chat" wraps it as a user turn in the chat template, "raw" tokenizes it as is;
+    None: "chat" when the tokenizer has a template."""
+    if template is None:
+        template = "chat" if has_chat_template(tokenizer) else "raw"
+    if template == "chat":
+        return chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+    if template == "raw":
+        return raw_prompt_ids(tokenizer, prompt)
+    raise SparseforgeError(f"unknown prompt template {template!r}; use 'chat', 'raw' or None")
+
+
 @dataclass
 class Completion:
     """What one generation produced: the text, its token ids and why it ended ("stop" | "length")."""
@@ -58,11 +70,11 @@ def stream_text(engine, prompt_ids: list[int], gen, stop: list[str] = (), done: 
     """Run engine.generate and yield text pieces as soon as they are final.
 
     A piece is held back while it ends in an incomplete UTF-8 character or could be the start of a stop string;
-    stop tokens (gen.stop_ids) and stop strings end the text and are not part of it. The finished text, ids and
+    stop tokens (gen.stop_ids; None: engine.stop_ids()) and stop strings end the text and are not part of it. The finished text, ids and
     finish reason are written into `done` (pass a Completion to read them after the iterator is exhausted)."""
     done = Completion() if done is None else done
     stops = [s for s in stop if s]
-    stop_ids = set(gen.stop_ids)
+    stop_ids = set(engine.stop_ids() if gen.stop_ids is None else gen.stop_ids)
     emitted = 0
     tokens = iter(engine.generate(prompt_ids, gen))
     try:

@@ -1,11 +1,14 @@
 """CLI verbs of the runtime stage: `plan` (placement plans), `generate`, `chat` and `serve` (the decode engine)."""
 
 import argparse
-import contextlib
 import sys
+from typing import TYPE_CHECKING
 
 from sparseforge.cli_options import HelpFormatter, check_positive
 from sparseforge.errors import SparseforgeError
+
+if TYPE_CHECKING:
+    from sparseforge.runtime.sampling import GenerationConfig
 
 DTYPE_CHOICES = ("float32", "float16", "bfloat16", "int8")
 
@@ -45,7 +48,8 @@ def register_plan(subparsers) -> None:
 
 
 def plan_command(args) -> int:
-    from sparseforge.runtime.plan import PlanRequest, artifact_name, format_plan, make_plan, parse_size, write_plan, write_powerinfer_gpu_index
+    from sparseforge.runtime.plan import PlanRequest, artifact_name, format_plan, make_plan, write_plan, write_powerinfer_gpu_index
+    from sparseforge.runtime.sizes import parse_size
 
     request = PlanRequest(parse_size(args.fast_memory), context=args.context, dtype=args.dtype, predictor_dtype=args.predictor_dtype,
                           head_screen=not args.full_head)  # fmt: skip
@@ -118,19 +122,33 @@ def register_engine_verbs(subparsers) -> None:
     p.set_defaults(func=chat_command)
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, streaming)",
-                              description="Serve the engine over HTTP on localhost: POST /v1/completions and /v1/chat/completions "
-                              "(stream=true gives server-sent events), GET /v1/models and /health. Concurrent requests queue for the "
-                              "one engine; bad requests get 4xx JSON errors. Ctrl-C stops it.", formatter_class=fmt)  # fmt: skip
+                              description="Serve the engine over HTTP (FastAPI + uvicorn): POST /v1/completions and "
+                              "/v1/chat/completions (stream=true gives server-sent events), GET /v1/models and /health. Requests "
+                              "run one at a time on the one engine, at most --max-queue waiting (then 503); a client that "
+                              "disconnects cancels its request. Errors are OpenAI-style JSON. Ctrl-C stops it.", formatter_class=fmt)  # fmt: skip
     _engine_options(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; one reachable from other machines (0.0.0.0, a LAN address) needs --api-key or --allow-no-api-key")  # fmt: skip
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port, printed at start)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (/health stays open); default: $SPARSEFORGE_API_KEY, "
+                   "which keeps the key out of the process list")  # fmt: skip
+    p.add_argument("--allow-no-api-key", action="store_true", help="serve a --host reachable from other machines without an API key")
     p.add_argument("--model-name", default=None, help="the model id reported and echoed (default: the checkpoint folder's name)")
-    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens for requests that do not set it")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens for requests that do not set it (default: 256, or --max-tokens-limit when lower)")
+    p.add_argument("--max-tokens-limit", type=int, default=2048, help="most tokens one request may ask for (a larger max_tokens gets a 400)")
+    p.add_argument("--max-queue", type=int, default=16,
+                   help="most requests waiting behind the running one; more get a 503 (retry later) at once")  # fmt: skip
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted (a larger one gets a 413)")
     p.add_argument("--verbose", action="store_true", help="log every request to stderr")
     p.set_defaults(func=serve_command)
 
 
-def _check_sampling(args) -> None:
+def _generation_config(args) -> "GenerationConfig":
+    """The sampling flags, checked before the model loads; stop ids: the engine's EOS ids unless --ignore-eos."""
+    from sparseforge.runtime.sampling import GenerationConfig
+
     check_positive(max_new_tokens=args.max_new_tokens)
     if args.temperature < 0:
         raise SparseforgeError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
@@ -138,34 +156,18 @@ def _check_sampling(args) -> None:
         raise SparseforgeError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k < 0:
         raise SparseforgeError(f"--top-k must be >= 0 (0 = no limit), got {args.top_k}")
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            seed=args.seed, stop_ids=() if getattr(args, "ignore_eos", False) else None)  # fmt: skip
 
 
-@contextlib.contextmanager
-def open_engine(args):
-    """The Engine the options describe; with --fast-memory, its MLP units tiered over disk (runtime/store.py) for a
-    placement plan made now for that budget (the store's reader thread is stopped on exit)."""
-    from sparseforge.runtime.engine import Engine
+def _open_engine(args):
+    """runtime.engine.open_engine with the engine flags."""
+    from sparseforge.runtime.engine import open_engine
 
     check_positive(context=args.context, threads=args.threads)
-    with contextlib.ExitStack() as stack:
-        units = None
-        if args.fast_memory is not None:
-            from sparseforge.runtime.store import tiered_units
-
-            units = stack.enter_context(tiered_units(args.ckpt, args.fast_memory, args.weight_dtype, context=args.context,
-                                                     predictor_dtype=args.predictor_dtype, head_screen=not args.full_head,
-                                                     progress=not args.no_progress))  # fmt: skip
-        yield Engine.load(args.ckpt, mode=args.mode, weight_dtype=args.weight_dtype, context=args.context, threads=args.threads,
-                          units=units, progress=not args.no_progress, predictor_dtype=args.predictor_dtype,
-                          head_screen=False if args.full_head else None)  # fmt: skip
-
-
-def _generation(args, engine, max_new_tokens: int):
-    from sparseforge.runtime.engine import GenerationConfig
-
-    stops = () if getattr(args, "ignore_eos", False) else engine.stop_ids()
-    return GenerationConfig(max_new_tokens=max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            seed=args.seed, stop_ids=stops)  # fmt: skip
+    return open_engine(args.ckpt, mode=args.mode, weight_dtype=args.weight_dtype, context=args.context, threads=args.threads,
+                       fast_memory=args.fast_memory, predictor_dtype=args.predictor_dtype, head_screen=False if args.full_head else None,
+                       progress=not args.no_progress)  # fmt: skip
 
 
 def format_stats(stats: dict) -> str:
@@ -182,56 +184,54 @@ def format_stats(stats: dict) -> str:
 
 
 def generate_command(args) -> int:
-    _check_sampling(args)
-    with open_engine(args) as engine:
-        return _generate(args, engine)
+    from sparseforge.runtime.chat import encode_prompt, stream_text
 
-
-def _generate(args, engine) -> int:
-    from sparseforge.runtime.chat import chat_prompt_ids, has_chat_template, raw_prompt_ids, stream_text
-
-    tokenizer = engine.tokenizer
-    template = args.template or ("chat" if has_chat_template(tokenizer) else "raw")
-    if template == "chat":
-        ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
-    else:
-        ids = raw_prompt_ids(tokenizer, args.prompt)
-    if len(ids) + args.max_new_tokens > engine.context:
-        raise SparseforgeError(f"the prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceed --context "
-                               f"{engine.context}; raise --context or lower --max-new-tokens")  # fmt: skip
-    for piece in stream_text(engine, ids, _generation(args, engine, args.max_new_tokens), args.stop):
-        sys.stdout.write(piece)
+    config = _generation_config(args)
+    with _open_engine(args) as engine:
+        ids = encode_prompt(engine.tokenizer, args.prompt, args.template)
+        if len(ids) + args.max_new_tokens > engine.context:
+            raise SparseforgeError(f"the prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceed --context "
+                                   f"{engine.context}; raise --context or lower --max-new-tokens")  # fmt: skip
+        for piece in stream_text(engine, ids, config, args.stop):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
         sys.stdout.flush()
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    if args.stats:
-        print(format_stats(engine.stats()), file=sys.stderr)
+        if args.stats:
+            print(format_stats(engine.stats()), file=sys.stderr)
     return 0
 
 
 def chat_command(args) -> int:
     from sparseforge.runtime.chat import chat_loop
 
-    _check_sampling(args)
-    with open_engine(args) as engine:
-        return chat_loop(engine, _generation(args, engine, args.max_new_tokens), system=args.system)
+    config = _generation_config(args)
+    with _open_engine(args) as engine:
+        return chat_loop(engine, config, system=args.system)
 
 
 def serve_command(args) -> int:
+    import os
     from pathlib import Path
 
-    from sparseforge.runtime.server import make_server
+    from sparseforge.runtime.server import Server, ServerSettings
 
-    check_positive(default_max_tokens=args.default_max_tokens)
-    if not 0 <= args.port < 65536:
-        raise SparseforgeError(f"--port must be in [0, 65535], got {args.port}")
-    name = args.model_name or Path(args.ckpt).resolve().name
-    with open_engine(args) as engine:
-        server = make_server(engine, args.host, args.port, name, args.default_max_tokens, args.verbose)
-        host, port = server.server_address[:2]
-        print(f"serving {name} ({args.mode}, {args.weight_dtype}) on http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
-        try:
-            server.serve_forever()
-        finally:
-            server.server_close()
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        model_id=args.model_name or Path(args.ckpt).resolve().name,
+        api_key=args.api_key or os.environ.get("SPARSEFORGE_API_KEY") or None,
+        allow_no_api_key=args.allow_no_api_key,
+        default_max_tokens=min(256, args.max_tokens_limit) if args.default_max_tokens is None else args.default_max_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        verbose=args.verbose,
+    )
+    settings.check()  # a bad option fails before the model loads
+    with _open_engine(args) as engine:
+        server = Server(engine, settings)
+        key = "API key required" if settings.api_key else "no API key"
+        print(f"serving {settings.model_id} ({args.mode}, {args.weight_dtype}) on {server.url} ({key}; Ctrl-C stops)", file=sys.stderr, flush=True)
+        server.serve_forever()
     return 0

@@ -1,13 +1,13 @@
-"""The single-row decode step on native kernels: per layer one call for the whole attention block
-(sf_attention_decode: norm, qkv, RoPE, KV write, GQA attention, o projection, residual, MLP norm) and the
-MLP's predictor + sparse kernel calls, so a 30-layer token costs ~100 ctypes calls instead of ~1,000
-PyTorch ops. Weight pointers are taken once; the residual row lives in one preallocated buffer.
+"""The batch-1 decode step on native kernels: the row's buffers and each layer's prepared arguments.
+
+Per layer, one call runs the whole attention block (sf_attention_decode: norm, qkv, RoPE, KV write, GQA attention,
+o projection, residual, MLP norm); the MLP follows through runtime/mlp.py. Weight pointers are taken once; the
+residual row lives in one preallocated buffer. runtime/step.py runs the layers.
 
 When every MLP is one fully resident unit (no MoE, no neuron store) or the dense mode's matrices, the whole step
 is one native call (`LeanStep`, sf_decode_layers): every layer's attention block and MLP with their arguments
-prepared at load, then the final norm; only the lm_head (or its screen, runtime/head.py) runs from Python. Per-layer ctypes calls made from
-Python cost 0.3–0.6 ms a token, 0.5 ms of an int8 token's 5.2 (docs/runtime.md "Kernels: one call per token").
-Other engines go through Engine._mlp_row (requests, waits, experts).
+prepared at load, then the final norm; only the lm_head (or its screen, runtime/head.py) runs from Python. Per-layer
+ctypes calls made from Python cost 0.3-0.6 ms a token.
 """
 
 import ctypes
@@ -16,57 +16,58 @@ import torch
 
 from sparseforge.runtime import kernels
 from sparseforge.runtime.forward import KVCache
+from sparseforge.runtime.meter import Meter
+from sparseforge.runtime.model import Model
 from sparseforge.runtime.units import ResidentUnit, row_bytes
 
 
-class RowDecoder:
-    """Runs `engine` one token at a time for batch-1 caches (see Engine.forward)."""
+class NativeRow:
+    """One row's buffers (x: the residual, xn: the normed row) and the attention calls over a batch-1 cache."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, model: Model, meter: Meter):
+        self.model = model
         self.lib = kernels.native()
-        w, s, cfg = engine.weights, engine.shape, engine.config
+        s, cfg = model.shape, model.config
         self.hidden = cfg.hidden_size
         self.eps = float(cfg.rms_norm_eps)
-        self.x = torch.empty(self.hidden)  # residual row
-        self.xn = torch.empty(self.hidden)  # normed row (MLP input, then final norm)
+        self.x = torch.empty(self.hidden)  # [H] residual row
+        self.xn = torch.empty(self.hidden)  # [H] normed row (MLP input, then final norm: the head's input)
+        self.x2, self.xn2 = self.x[None], self.xn[None]  # [1, H] views, as the MLP takes rows
         qkv_rows = (s.heads + 2 * s.kv_heads) * s.head_dim
-        self.scratch = torch.empty(self.hidden + qkv_rows + s.heads * s.head_dim + s.heads * engine.context)
+        self.scratch = torch.empty(self.hidden + qkv_rows + s.heads * s.head_dim + s.heads * model.context)
         self.dims = (s.heads, s.kv_heads, s.head_dim)
         ptr = kernels.ptr
         self.layer_args = [
             (ptr(lw.input_norm), ptr(lw.post_norm), self.eps, self.hidden, ptr(lw.qkv.weight), ptr(lw.qkv.scales), ptr(lw.qkv.bias),
              ptr(lw.o.weight), ptr(lw.o.scales), ptr(lw.o.bias), kernels.dtype_code(lw.qkv.weight.dtype), ptr(lw.q_norm), ptr(lw.k_norm))
-            for lw in w.layers
+            for lw in model.weights.layers
         ]  # fmt: skip
         self.windows = [int(win or 0) for win in s.windows]
-        self.row_bytes = s.head_dim * 4  # one cos/sin row
-        self.lean = LeanStep.build(self)
+        self.rope_row_bytes = s.head_dim * 4  # one cos/sin row
+        self._position = ()  # this step's cache arguments (set by begin)
+        self.lean = LeanStep.build(model, self, meter)
 
-    def step(self, token: int, cache: KVCache) -> torch.Tensor:
-        """Append `token` at position cache.length of a batch-1 cache; float32 logits [V]. The caller
-        advances cache.length."""
-        self.layers(token, cache)
-        return self.engine.weights.lm_head(self.xn[None])[0]
+    def embed(self, token: int) -> None:
+        """x = the embedding of `token`."""
+        self.x.copy_(self.model.weights.embed_ids(torch.tensor([[token]]))[0, 0])
 
-    def layers(self, token: int, cache: KVCache) -> None:
-        """step without the lm_head: every layer and the final norm, into xn (the head's input)."""
-        engine, lib, x, xn = self.engine, self.lib, self.x, self.xn
-        x.copy_(engine.weights.embed_ids(torch.tensor([[token]]))[0, 0])
-        pos, ctx = cache.length, cache.context
-        if self.lean is not None:
-            self.lean.step(cache, pos)
-            return
+    def begin(self, cache: KVCache) -> None:
+        """Take the step's position (cache.length of a batch-1 cache) for the attention calls that follow."""
+        m, pos = self.model, cache.length
+        self._position = (m.cos.data_ptr() + pos * self.rope_row_bytes, m.sin.data_ptr() + pos * self.rope_row_bytes,
+                          cache.k.data_ptr(), cache.v.data_ptr(), cache.k.stride(0) * 4, cache.context, pos)  # fmt: skip
+
+    def attention(self, layer: int) -> None:
+        """x += attention(norm(x)) at this step's position, keys and values written; xn = the MLP's norm of x."""
+        cos, sin, kbase, vbase, layer_stride, ctx, pos = self._position
         nh, kvh, hd = self.dims
-        cos, sin = engine.cos.data_ptr() + pos * self.row_bytes, engine.sin.data_ptr() + pos * self.row_bytes
-        layer_stride = cache.k.stride(0) * 4
-        kbase, vbase = cache.k.data_ptr(), cache.v.data_ptr()
-        xp, xnp, scratch, threads = x.data_ptr(), xn.data_ptr(), self.scratch.data_ptr(), engine.threads
-        for i, lw in enumerate(engine.weights.layers):
-            lib.sf_attention_decode(xp, xnp, *self.layer_args[i], cos, sin, kbase + i * layer_stride, vbase + i * layer_stride,
-                                    ctx, pos, self.windows[i], nh, kvh, hd, scratch, threads)  # fmt: skip
-            engine._mlp_row(i, lw, xn, x)
-        lib.sf_rms_norm(xp, engine.weights.final_norm.data_ptr(), self.eps, self.hidden, xnp)
+        self.lib.sf_attention_decode(self.x.data_ptr(), self.xn.data_ptr(), *self.layer_args[layer], cos, sin, kbase + layer * layer_stride,
+                                     vbase + layer * layer_stride, ctx, pos, self.windows[layer], nh, kvh, hd, self.scratch.data_ptr(),
+                                     self.model.threads)  # fmt: skip
+
+    def final_norm(self) -> None:
+        """xn = the final norm of x."""
+        self.lib.sf_rms_norm(self.x.data_ptr(), self.model.weights.final_norm.data_ptr(), self.eps, self.hidden, self.xn.data_ptr())
 
 
 class SfLayer(ctypes.Structure):
@@ -91,32 +92,30 @@ class LeanStep:
     predictors and MLPs (benchmarks/kernels.py reads it)."""
 
     @classmethod
-    def build(cls, row: RowDecoder) -> "LeanStep | None":
+    def build(cls, model: Model, row: NativeRow, meter: Meter) -> "LeanStep | None":
         """None when some MLP needs the general path: MoE, units that are not fully resident, a down bias."""
-        engine = row.engine
-        if engine.moe:
+        if model.moe:
             return None
-        layers = engine.weights.layers
-        if engine.mode == "dense":
+        layers = model.weights.layers
+        if model.mode == "dense":
             if not all(lw.dense and lw.dense[0][1].bias is None for lw in layers):
                 return None
         elif not all(lw.units and isinstance(lw.units[0], ResidentUnit) for lw in layers):
             return None
-        return cls(row)
+        return cls(model, row, meter)
 
-    def __init__(self, row: RowDecoder):
-        engine = row.engine
-        self.row, self.engine, self.lib, self.mode, self.threads = row, engine, row.lib, engine.mode, engine.threads
+    def __init__(self, model: Model, row: NativeRow, meter: Meter):
+        self.model, self.row, self.meter, self.lib, self.mode, self.threads = model, row, meter, row.lib, model.mode, model.threads
         ptr, code = kernels.ptr, kernels.dtype_code
         self.buffers = []  # tensors the prepared pointers point into
-        self.layers = (SfLayer * len(engine.weights.layers))()
+        self.layers = (SfLayer * len(model.weights.layers))()
         self.slots = self.dense_bytes = 0  # per step: neurons a layer could compute, summed; the dense weights' bytes
         self.row_bytes = 0
-        for i, lw in enumerate(engine.weights.layers):
+        for i, lw in enumerate(model.weights.layers):
             L = self.layers[i]
             (L.in_norm, L.post_norm, _, _, L.qkv_w, L.qkv_s, L.qkv_b, L.o_w, L.o_s, L.o_b, L.attn_dtype, L.q_norm, L.k_norm) = row.layer_args[i]
             L.window = row.windows[i]
-            act = engine.activations[i]
+            act = model.activations[i]
             L.act, L.act_threshold = kernels.ACT_CODES[act.kind], act.threshold
             if self.mode == "dense":
                 gate_up, down = lw.dense[0]
@@ -130,7 +129,7 @@ class LeanStep:
                 self.dense_bytes += gate_up.nbytes + down.nbytes
                 continue
             unit = lw.units[0]
-            inter, p = unit.intermediate, engine.predictors.get((i, 0)) if engine.mode == "sparse" and engine.predictors else None
+            inter, p = unit.intermediate, model.predictors.get((i, 0)) if model.mode == "sparse" and model.predictors else None
             ids = torch.arange(inter) if p is None else torch.empty(inter, dtype=torch.long)
             self.buffers.append(ids)
             if p is not None:
@@ -146,27 +145,23 @@ class LeanStep:
         self.stats = (ctypes.c_int64 * 2)()  # per step: neurons the sparse kernel computed, neurons the dense activation fired
         self.seconds = (ctypes.c_double * 3)()  # attention, predictors, MLPs
 
-    def step(self, cache: KVCache, pos: int) -> None:
-        """Every layer at position `pos` and the final norm, into the decoder's x and xn; counted in the engine's
-        current counters (reset_stats replaces them)."""
-        row, e, stats = self.row, self.engine, self.stats
+    def step(self, cache: KVCache) -> None:
+        """Every layer at position cache.length and the final norm, into the row's x and xn; counted in the meter."""
+        row, m, meter, stats = self.row, self.model, self.meter, self.stats
         nh, kvh, hd = row.dims
+        pos = cache.length
         stats[0] = stats[1] = 0
         predict_before = self.seconds[1]
         rc = self.lib.sf_decode_layers(
-            self.layers, len(self.layers), row.x.data_ptr(), row.xn.data_ptr(), e.weights.final_norm.data_ptr(), row.xn.data_ptr(), row.eps,
-            row.hidden, e.cos.data_ptr() + pos * row.row_bytes, e.sin.data_ptr() + pos * row.row_bytes, cache.k.data_ptr(), cache.v.data_ptr(),
-            cache.k.stride(0), cache.context, pos, nh, kvh, hd, row.scratch.data_ptr(), e._counters.row_counts.data_ptr(), stats,
+            self.layers, len(self.layers), row.x.data_ptr(), row.xn.data_ptr(), m.weights.final_norm.data_ptr(), row.xn.data_ptr(), row.eps,
+            row.hidden, m.cos.data_ptr() + pos * row.rope_row_bytes, m.sin.data_ptr() + pos * row.rope_row_bytes, cache.k.data_ptr(),
+            cache.v.data_ptr(), cache.k.stride(0), cache.context, pos, nh, kvh, hd, row.scratch.data_ptr(), meter.rows_read.data_ptr(), stats,
             self.seconds, self.threads,
         )  # fmt: skip
         if rc:
             raise MemoryError("sf_sparse_mlp could not allocate its lists in sf_decode_layers")
-        c = e._counters
         if self.mode == "dense":
-            e._count(self.slots, self.slots, stats[1], self.dense_bytes, True)
+            meter.mlp(self.slots, self.slots, stats[1], self.dense_bytes)
             return
-        c.row_neurons += stats[0]
-        c.neuron_slots += self.slots
-        c.predictor_seconds += self.seconds[1] - predict_before
-        if c.row_bytes == 0:
-            c.row_bytes = self.row_bytes
+        meter.native_mlp(stats[0], self.slots, self.row_bytes)
+        meter.predictor(self.seconds[1] - predict_before)

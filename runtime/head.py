@@ -118,3 +118,39 @@ class HeadScreen:
         """The last call's candidate rows (ascending); `approx` holds their exact logits and every other
         row's screened value."""
         return self.cand[: int(self.ncand[0])].clone()
+
+
+class Head:
+    """The lm_head as a forward step reads it, reporting its bytes to the meter: the logits of rows (the whole head),
+    or, through the screen, the token of one row reading only the rows that can be it (runtime/sampling.py
+    `next_token` chooses which)."""
+
+    def __init__(self, linear, screen: HeadScreen | None, meter):
+        self.linear, self.screen, self.meter = linear, screen, meter
+        self.vocab, self.nbytes = linear.weight.shape[0], linear.nbytes
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, H] final-normed rows -> float32 logits [N, V]."""
+        self.meter.head(self.nbytes)
+        return self.linear(x)
+
+    def argmax(self, x: torch.Tensor) -> int:
+        """Screened: the greedy token of x [H] (the argmax of sf_matvec's logits)."""
+        token, candidates = self.screen.argmax(x)
+        self._screened(candidates)
+        return token
+
+    def noisy_argmax(self, x: torch.Tensor, noise: torch.Tensor, temperature: float) -> int:
+        """Screened: argmax_v (logit_v / temperature + noise_v) of x [H] (HeadScreen.noisy_argmax)."""
+        token = self.screen.noisy_argmax(x, noise, temperature)
+        self._screened(int(self.screen.ncand[0]))
+        return token
+
+    def top_k_logits(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """Screened: float32 [V], the k largest logits of x [H] exact, -inf where no bound reaches them (HeadScreen.top_k_logits)."""
+        logits = self.screen.top_k_logits(x, k)
+        self._screened(int(self.screen.ncand[0]))
+        return logits
+
+    def _screened(self, candidates: int) -> None:
+        self.meter.head(self.screen.step_bytes + candidates * self.screen.row_bytes, candidates)

@@ -20,13 +20,13 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import warnings
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from sparseforge.atomic import atomic_path
 from sparseforge.errors import SparseforgeError
 from sparseforge.sparsify.hf_code.modeling_sparseforge import ACTIVATIONS, GatedActivation
 
@@ -77,17 +77,12 @@ def _compile(out: Path) -> None:
     if compiler is None:
         raise OSError("no C compiler (cc, gcc or clang) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    os.close(fd)
-    try:
+    with atomic_path(out) as tmp:
         for flags in (FLAGS, tuple(f for f in FLAGS if f != "-fopenmp")):  # OpenMP is optional
-            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True)
             if done.returncode == 0:
-                os.replace(tmp, out)
                 return
         raise OSError(f"{compiler} failed: {done.stderr.strip()[:500]}")
-    finally:
-        Path(tmp).unlink(missing_ok=True)
 
 
 @lru_cache(maxsize=1)

@@ -6,335 +6,45 @@ compute it: gate row `gate_proj.weight[j, :]`, up row `up_proj.weight[j, :]` and
 `down_proj.weight[:, j]` (3 x hidden elements). Its *frequency* is its firing count in the activation
 profile (`profile.safetensors`, written by `sparseforge profile`).
 
-Fast memory first holds what every token touches (attention, embeddings + lm_head, norms, MoE routers,
-predictors, the lm_head's int8 screen for greedy steps, KV cache for the context length); what is left holds hot neuron bundles. The plan maximises
-the expected number of resident hits per token, i.e. the summed frequency of the hot neurons, subject to
-`sum(hot bundle bytes) <= MLP budget` (a 0/1 knapsack):
-
-- Within a unit all bundles cost the same, so for a given number `k` of hot neurons its `k` most frequent
-  ones are optimal (exchange argument: swapping a chosen neuron for a more frequent unchosen one of the
-  same cost keeps the cost and does not lower the value).
-- When every bundle of the model costs the same `c` (the normal case: one hidden size, one dtype), the
-  best plan holds `floor(budget / c)` neurons, and by the same exchange argument across units the globally
-  most frequent ones are optimal. That is `_greedy_counts`.
-- If costs differed between units (e.g. mixed precision per layer), greedy by frequency or by
-  frequency/cost is no longer optimal in general. `solve_counts` then groups units by cost (equal cost
-  inside a group -> the group's value of taking `k` is the sum of its `k` most frequent neurons, a concave
-  function of `k`) and runs an exact dynamic program over the budget in units of gcd(costs), combining
-  groups by a max-plus convolution with a concave sequence (monotone argmax, divide and conquer). Exact,
-  O(groups x budget_units x log budget_units).
-
-Nothing here loads model weights: tensor shapes come from the safetensors headers.
+Fast memory first holds what every token touches (runtime/sizes.py: attention, embeddings + lm_head, norms, MoE
+routers, predictors, the lm_head's int8 screen, KV cache for the context length); what is left holds hot neuron
+bundles. The plan maximises the expected number of resident hits per token, i.e. the summed frequency of the hot
+neurons, subject to `sum(hot bundle bytes) <= MLP budget`. Every bundle of a model costs the same (one hidden size,
+one dtype), so the best plan holds `floor(budget / bundle bytes)` neurons, and the globally most frequent ones are
+optimal (exchange argument: swapping a chosen neuron for a more frequent unchosen one keeps the cost and does not
+lower the value). That is `hot_counts`.
 """
 
-import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from sparseforge.errors import SparseforgeError
-from sparseforge.runtime.head import screen_bytes
+from sparseforge.runtime.sizes import (
+    DTYPES,
+    FastMemory,
+    human_bytes,
+    model_shape,
+    neuron_bytes,
+    reserve_bytes,
+    stored_dtype,
+    weight_headers,
+)
 
 PLAN_FORMAT_VERSION = 1
-DTYPES = ("float32", "float16", "bfloat16", "int8")
-ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
-INT8_SCALE_BYTES = 4  # one float32 scale per stored row of an int8 matrix
-STORED_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
-SIZE_FORMS = "bytes (123456789), decimal or binary units (300MB, 1.5GiB, 512KiB) or a percentage of the MLP bytes (25%)"
-MLP_NEURON_WEIGHTS = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)\.weight$|\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
-# ---------------------------------------------------------------- sizes and byte counts
-
-
-@dataclass(frozen=True)
-class FastMemory:
-    """A parsed --fast-memory: `bytes` total fast memory, or `percent` of the MLP bytes on top of the reserve."""
-
-    text: str
-    bytes: int | None = None
-    percent: float | None = None
-
-
-def parse_size(text: str) -> FastMemory:
-    """'300MB' | '1.5GiB' | '123456' | '25%' -> FastMemory; anything else is a one-line SparseforgeError."""
-    s = str(text).strip()
-    bad = SparseforgeError(f"--fast-memory {text!r} is not a size; use {SIZE_FORMS}")
-    if s.endswith("%"):
-        try:
-            pct = float(s[:-1])
-        except ValueError:
-            raise bad from None
-        if not 0.0 <= pct <= 100.0 or math.isnan(pct):
-            raise SparseforgeError(f"--fast-memory {text!r}: a percentage of the MLP bytes must be between 0% and 100%")
-        return FastMemory(text=s, percent=pct)
-    m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)", s)
-    if not m or m.group(2).upper() not in SIZE_UNITS:
-        raise bad
-    return FastMemory(text=s, bytes=int(float(m.group(1)) * SIZE_UNITS[m.group(2).upper()]))
-
-
-def human_bytes(n: int) -> str:
-    """1234567 -> '1.18 MiB'."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
-def matrix_bytes(shape: list[int], dtype: str) -> int:
-    """Bytes of one stored tensor in `dtype`. int8: matrices (ndim >= 2) get 1 byte per element plus one
-    float32 scale per row of the last dimension; 1-D tensors (norms, biases) stay float32."""
-    numel = math.prod(shape)
-    if dtype != "int8":
-        return numel * ELEMENT_BYTES[dtype]
-    if len(shape) < 2:
-        return numel * 4
-    return numel + (numel // shape[-1]) * INT8_SCALE_BYTES
-
-
-def neuron_bytes(hidden: int, dtype: str) -> int:
-    """Bytes of one neuron bundle (gate row + up row + down column, 3 x hidden elements). int8: each of the
-    three is stored as one int8 row of `hidden` (down transposed) with its own float32 scale."""
-    if dtype == "int8":
-        return 3 * (hidden + INT8_SCALE_BYTES)
-    return 3 * hidden * ELEMENT_BYTES[dtype]
-
-
-def kv_cache_bytes(shape: "ModelShape", context: int, dtype: str) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x context x bytes; int8 weights keep a float32 cache."""
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * context * (4 if dtype == "int8" else ELEMENT_BYTES[dtype])
-
-
-# ---------------------------------------------------------------- the checkpoint's shape
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What a plan needs from config.json."""
-
-    layers: int  # L
-    experts: int  # E (1 for dense MLPs)
-    hidden: int  # H
-    intermediate: int  # I (per expert)
-    kv_heads: int
-    head_dim: int
-    tied: bool  # lm_head shares the embedding matrix
-
-
-def model_shape(ckpt: str | Path) -> ModelShape:
-    """Read the fields of `ckpt/config.json` a plan needs."""
-    path = Path(ckpt) / "config.json"
-    if not path.is_file():
-        raise SparseforgeError(f"{path} does not exist; pass a sparse checkpoint directory (sparseforge convert)")
-    c = json.loads(path.read_text())
-    heads = c["num_attention_heads"]
-    return ModelShape(
-        layers=c["num_hidden_layers"],
-        experts=int(c.get("num_local_experts") or 1),
-        hidden=c["hidden_size"],
-        intermediate=c["intermediate_size"],
-        kv_heads=int(c.get("num_key_value_heads") or heads),
-        head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
-        tied=bool(c.get("tie_word_embeddings", False)),
-    )
-
-
-def weight_headers(ckpt: str | Path) -> dict[str, tuple[str, list[int]]]:
-    """{tensor name: (safetensors dtype, shape)} of the checkpoint's weights (single file or shards), no data read."""
-    ckpt = Path(ckpt)
-    index = ckpt / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (ckpt / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise SparseforgeError(f"{ckpt} has no model.safetensors (or index); pass a sparse checkpoint directory")
-    out = {}
-    for name in files:
-        with safe_open(str(ckpt / name), framework="pt") as f:
-            for key in f.keys():
-                s = f.get_slice(key)
-                out[key] = (s.get_dtype(), list(s.get_shape()))
-    return out
-
-
-def tensor_category(name: str) -> str | None:
-    """Reserve category of a weight, or None for the MLP neuron weights the plan places."""
-    if MLP_NEURON_WEIGHTS.search(name):
-        return None
-    if re.search(r"\.mlp\.gate\.", name):
-        return "routers"
-    if ".mlp." in name:
-        return "mlp_biases"
-    if "norm" in name:
-        return "norms"
-    if ".self_attn." in name:
-        return "attention"
-    if "embed_tokens" in name:
-        return "embeddings"
-    if name.startswith("lm_head."):
-        return "lm_head"
-    return "other"
-
-
-def stored_dtype(headers: dict[str, tuple[str, list[int]]]) -> str:
-    """The dtype the MLP weights are stored in (the default --dtype)."""
-    for name, (dt, _) in headers.items():
-        if tensor_category(name) is None:
-            if dt not in STORED_DTYPES:
-                raise SparseforgeError(f"MLP weights are stored as {dt}; pass --dtype ({', '.join(DTYPES)})")
-            return STORED_DTYPES[dt]
-    raise SparseforgeError("the checkpoint has no MLP weights (mlp.gate_proj/up_proj/down_proj); is it a sparseforge checkpoint?")
-
-
-def reserve_bytes(ckpt: str | Path, shape: ModelShape, headers: dict, dtype: str, context: int, predictor_dtype: str,
-                  head_screen: bool = True) -> dict[str, int]:  # fmt: skip
-    """Always-touched bytes by category (+ `total`): every non-MLP weight in `dtype`, the lm_head once if
-    tied, the predictors in `predictor_dtype`, the lm_head's screen (float dtypes, unless head_screen is False), and
-    the KV cache for `context` tokens."""
-    cats = dict.fromkeys(("attention", "embeddings", "lm_head", "norms", "routers", "mlp_biases", "other"), 0)
-    mlp_elements = 0
-    for name, (_, dims) in headers.items():
-        cat = tensor_category(name)
-        if cat is None:
-            mlp_elements += math.prod(dims)
-        elif not (cat == "lm_head" and shape.tied):  # tied: the embedding matrix is counted once
-            cats[cat] += matrix_bytes(dims, dtype)
-    expected = 3 * shape.layers * shape.experts * shape.intermediate * shape.hidden
-    if mlp_elements != expected:
-        raise SparseforgeError(
-            f"{ckpt}: MLP weights hold {mlp_elements} elements, config.json implies 3 x L x E x I x H = {expected}; "
-            "the weights do not match the config"
-        )
-    cats["mlp_channel_scales"] = shape.layers * shape.experts * shape.hidden * 4 if dtype == "int8" else 0  # int8 down columns: [H] per unit
-    cats["predictors"] = predictor_bytes(ckpt, predictor_dtype)
-    cats["head_screen"] = head_screen_bytes(headers, dtype) if head_screen else 0
-    cats["kv_cache"] = kv_cache_bytes(shape, context, dtype)
-    cats["total"] = sum(cats.values())
-    return cats
-
-
-def head_screen_bytes(headers: dict, dtype: str) -> int:
-    """The engine's int8 screen of the lm_head for greedy steps (runtime/head.py): float heads without a bias."""
-    name = "lm_head.weight" if "lm_head.weight" in headers else "model.embed_tokens.weight"
-    if dtype == "int8" or "lm_head.bias" in headers or name not in headers:
-        return 0
-    return screen_bytes(*headers[name][1])
-
-
-def predictor_bytes(ckpt: str | Path, dtype: str) -> int:
-    """Bytes of `ckpt/predictors.safetensors`'s matrices in `dtype` as the engine holds them (int8: plus one
-    float32 scale per row; runtime/weights.py load_unit_predictors), 0 when there are no predictors."""
-    path = Path(ckpt) / "predictors.safetensors"
-    if not path.is_file():
-        return 0
-    with safe_open(str(path), framework="pt") as f:
-        return sum(matrix_bytes(f.get_slice(key).get_shape(), dtype) for key in f.keys())
-
-
-# ---------------------------------------------------------------- the optimisation
-
-
-def solve_counts(counts: list[torch.Tensor], costs: list[int], budget: int) -> list[int]:
-    """How many neurons each unit keeps hot (always its most frequent ones) to maximise the summed
-    frequency of hot neurons with `sum(k_u * costs[u]) <= budget`. Exact for any positive integer costs.
-
-    counts: per unit a [n_u] int64 tensor of firing counts; costs: bytes per neuron of each unit.
-    Returns k_u per unit.
-    """
-    if len(counts) != len(costs):
-        raise ValueError(f"{len(counts)} units but {len(costs)} costs")
-    if any(c <= 0 for c in costs):
-        raise ValueError(f"neuron costs must be positive, got {costs}")
-    if budget < 0 or not counts:
-        return [0] * len(counts)
-    if len(set(costs)) == 1:
-        return _greedy_counts(counts, budget // costs[0])
-    return _exact_counts(counts, costs, budget)
-
-
-def _greedy_counts(counts: list[torch.Tensor], m: int) -> list[int]:
-    """Keep the `m` globally most frequent neurons (ties: earlier unit, then lower index); -> k per unit."""
+def hot_counts(counts: list[torch.Tensor], m: int) -> list[int]:
+    """How many neurons each unit keeps hot when `m` bundles fit: the `m` globally most frequent neurons (ties:
+    earlier unit, then lower index). counts: per unit a [n_u] tensor of firing counts -> k_u per unit."""
+    if not counts:
+        return []
     flat = torch.cat([c.reshape(-1).to(torch.int64) for c in counts])
     unit = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor([c.numel() for c in counts]))
     chosen = torch.argsort(flat, descending=True, stable=True)[: max(0, min(m, flat.numel()))]
     return torch.bincount(unit[chosen], minlength=len(counts)).tolist()
-
-
-def _exact_counts(counts: list[torch.Tensor], costs: list[int], budget: int) -> list[int]:
-    """Exact DP over cost groups (see the module docstring); -> k per unit."""
-    unit_cost = math.gcd(*costs)
-    budget_units = budget // unit_cost
-    if budget_units * len(set(costs)) > 20_000_000:
-        raise SparseforgeError(
-            f"exact plan over {len(set(costs))} distinct neuron costs {sorted(set(costs))} needs {budget_units} budget "
-            "steps per cost; use one dtype for all layers (equal costs are solved greedily)"
-        )
-    groups: dict[int, list[int]] = {}
-    for u, c in enumerate(costs):
-        groups.setdefault(c // unit_cost, []).append(u)
-    best = [0] * (budget_units + 1)  # best value within at most u budget steps, groups so far
-    choices = []
-    for step, units in groups.items():
-        merged = torch.sort(torch.cat([counts[u].reshape(-1).to(torch.int64) for u in units]), descending=True).values
-        k_max = min(merged.numel(), budget_units // step)
-        prefix = [0] + torch.cumsum(merged[:k_max], 0).tolist()  # value of the group's k best, concave in k
-        best, take = _concave_max_plus(best, prefix, step)
-        choices.append((step, units, take))
-    ks = [0] * len(counts)
-    u = budget_units
-    for step, units, take in reversed(choices):
-        k = take[u]
-        u -= k * step
-        for unit, n in zip(units, _greedy_counts([counts[i] for i in units], k)):
-            ks[unit] = n
-    return ks
-
-
-def _concave_max_plus(f: list[int], prefix: list[int], step: int) -> tuple[list[int], list[int]]:
-    """h[u] = max_k f[u - k*step] + prefix[k] (0 <= k, k*step <= u) and the argmax k per u.
-
-    f must be non-decreasing (best value within at most u steps) and prefix concave (non-increasing
-    increments). For each residue class of u mod step the argmax source index is monotone in u, so a
-    divide and conquer finds it in O(n log n) per class. Taking more than len(prefix)-1 items is modelled as
-    a concave continuation prefix[-1] - (k - K) that is never better than k = K (f is non-decreasing).
-    """
-    n_total = len(f)
-    h, take = [0] * n_total, [0] * n_total
-    K = len(prefix) - 1
-
-    def g(k: int) -> int:
-        return prefix[k] if k <= K else prefix[K] - (k - K)
-
-    for r in range(min(step, n_total)):
-        idx = list(range(r, n_total, step))
-        fr = [f[i] for i in idx]
-        stack = [(0, len(idx) - 1, 0, len(idx) - 1)]
-        while stack:
-            tlo, thi, slo, shi = stack.pop()
-            if tlo > thi:
-                continue
-            t = (tlo + thi) // 2
-            best_s, best_v = slo, None
-            for s in range(slo, min(shi, t) + 1):
-                v = fr[s] + g(t - s)
-                if best_v is None or v > best_v:
-                    best_s, best_v = s, v
-            h[idx[t]], take[idx[t]] = best_v, t - best_s
-            stack.append((tlo, t - 1, slo, best_s))
-            stack.append((t + 1, thi, best_s, shi))
-    # an argmax k beyond K would mean g's continuation won; it never does, but keep the result feasible
-    for i, k in enumerate(take):
-        if k > K:
-            raise AssertionError(f"concave continuation chosen at {i}: {k} > {K}")
-    return h, take
 
 
 def hot_indices(counts: torch.Tensor, k: int) -> list[int]:
@@ -397,7 +107,7 @@ def make_plan(ckpt: str | Path, request: PlanRequest) -> dict:
                 f"{math.ceil(reserve['total'] / 2**20)}MiB, a smaller --context or dtype, or a percentage such as 25%"
             )
     units = [counts[i, e] for i in range(shape.layers) for e in range(shape.experts)]
-    ks = solve_counts(units, [per_neuron] * len(units), mlp_budget)
+    ks = hot_counts(units, mlp_budget // per_neuron if mlp_budget > 0 else 0)
 
     layers, hot_total, fire_total = [], 0, int(counts.sum())
     for i in range(shape.layers):
@@ -480,12 +190,12 @@ def write_powerinfer_gpu_index(plan: dict, out_dir: str | Path, name: str = POWE
     `split.vram_capacity` (uint64) = the plan's resident MLP bytes. Dense plans only (PowerInfer's index
     has one row per layer).
     """
-    import os
     import struct
-    import tempfile
 
     import gguf
     import numpy as np
+
+    from sparseforge.atomic import atomic_path
 
     if plan["num_experts"] != 1:
         raise SparseforgeError(
@@ -495,10 +205,8 @@ def write_powerinfer_gpu_index(plan: dict, out_dir: str | Path, name: str = POWE
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     width = plan["intermediate_size"]
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out_dir)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp, "generic.gpu_index")
+    with atomic_path(out_dir / name) as tmp:
+        writer = gguf.GGUFWriter(str(tmp), "generic.gpu_index")
         for row in plan["layers"]:
             mask = np.zeros(width, dtype=np.int32)
             mask[row["hot"]] = 1
@@ -513,11 +221,6 @@ def write_powerinfer_gpu_index(plan: dict, out_dir: str | Path, name: str = POWE
         writer.close()
         with open(tmp, "r+b") as f:  # PowerInfer's sparse-inference magic and GGUF version
             f.write(struct.pack("<4sI", b"PWRI", 3))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out_dir / name)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return out_dir / name
 
 

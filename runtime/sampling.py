@@ -1,15 +1,21 @@
-"""Token sampling: greedy, temperature, top-k, top-p (nucleus), seeded; and the generation settings."""
+"""Token selection, in one place: greedy, temperature, top-k, top-p (nucleus), seeded; and the generation settings.
+
+A sampled token is the argmax of the filtered logits / T plus Gumbel noise (one draw of the generator per token),
+so the head screen (runtime/head.py) can find the same token from a few rows of the lm_head: `next_token` takes
+it through the screen when the settings allow and from the full logits otherwise; `choose` takes it from logits.
+"""
 
 from dataclasses import dataclass
 
 import torch
 
 from sparseforge.errors import SparseforgeError
+from sparseforge.runtime.head import MAX_TOP_K, Head
 
 
 @dataclass
 class GenerationConfig:
-    """How `Engine.generate` picks tokens. Greedy when temperature == 0; top_k = 0 and top_p = 1 disable
+    """How generation picks tokens. Greedy when temperature == 0; top_k = 0 and top_p = 1 disable
     those filters; seed None draws fresh randomness; stop_ids None means the tokenizer's EOS ids."""
 
     max_new_tokens: int = 64
@@ -73,9 +79,24 @@ def pick(logits: torch.Tensor, config: GenerationConfig, noise: torch.Tensor) ->
     return int(torch.argmax(filter_logits(logits, config.temperature, config.top_k, config.top_p) + noise))
 
 
-def sample(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> int:
-    """One token id from logits [V]: greedy at temperature 0, else `pick` with fresh noise. A decode step through
-    the head screen (Engine) draws the same noise and picks the same token from fewer rows of the head."""
+def choose(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> int:
+    """One token id from logits [V]: greedy at temperature 0, else `pick` with fresh noise."""
     if config.temperature == 0:
         return int(torch.argmax(logits))
     return pick(logits, config, gumbel_noise(logits.numel(), generator))
+
+
+def next_token(head: Head, x: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> int:
+    """The token after the final-normed hidden row x [H]: what `choose` gives on the head's logits, through the head
+    screen when there is one and the settings allow (greedy, temperature alone, or top-k up to MAX_TOP_K with or
+    without top-p; the same Gumbel draw). Top-p alone needs every logit: the whole head is read."""
+    if head.screen is not None:
+        if config.temperature == 0:
+            return head.argmax(x)
+        top_k = config.top_k if 0 < config.top_k < head.vocab else 0  # as filter_logits: k >= V filters nothing
+        if top_k <= MAX_TOP_K and (top_k or config.top_p == 1.0):
+            noise = gumbel_noise(head.vocab, generator)
+            if top_k:
+                return pick(head.top_k_logits(x, top_k), config, noise)
+            return head.noisy_argmax(x, noise, config.temperature)
+    return choose(head.logits(x[None])[0], config, generator)

@@ -37,7 +37,8 @@ import torch
 
 from sparseforge.errors import SparseforgeError
 from sparseforge.runtime.bundles import MERGE_GAP, BundleFile, ensure_bundles
-from sparseforge.runtime.plan import PlanRequest, human_bytes, load_plan, make_plan, parse_size, solve_counts
+from sparseforge.runtime.plan import PlanRequest, hot_counts, load_plan, make_plan
+from sparseforge.runtime.sizes import human_bytes, parse_size
 from sparseforge.runtime.units import Request
 from sparseforge.runtime.weights import WEIGHT_DTYPES
 
@@ -339,7 +340,7 @@ def split_slots(plan: dict, ckpt: Path, cache_fraction: float, min_cold_slots: i
         )
     pool = max(least, round(cache_fraction * total))
     plan_counts = [counts[k][plan_hot[k]] for k in keys]  # the plan's hot lists, most frequent first
-    ks = solve_counts(plan_counts, [1] * len(keys), total - pool)
+    ks = hot_counts(plan_counts, total - pool)
     hot = {k: plan_hot[k][:n] for k, n in zip(keys, ks)}
     assert sum(len(h) for h in hot.values()) + pool <= total, (hot, pool, total)
     return hot, pool

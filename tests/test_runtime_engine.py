@@ -162,16 +162,16 @@ def test_int8_predictors(ckpts):
         engine = Engine.load(ckpt, mode="sparse", context=32, progress=False, native=native, predictor_dtype="int8")
         torch.testing.assert_close(_engine_logits(engine, ids, 4), ref, atol=2e-5, rtol=1e-4)
     if kernels.native() is not None:
-        for p in engine.predictors.values():
+        for p in engine.model.predictors.values():
             I = p.fc2t[0].shape[1]
             out, scratch = torch.empty(I, dtype=torch.long), torch.empty(p.fc1[0].shape[0] + I)
             for row in x:
                 native_mask = torch.zeros(I, dtype=torch.bool)
                 native_mask[kernels.predict_native(p.fc1, p.fc2t, p.threshold, row, out, scratch, 1)] = True
                 assert torch.equal(native_mask, kernels.predict_torch(p.fc1, p.fc2t, p.threshold, row[None])[0])
-    assert all(p.fc1[0].dtype == p.fc2t[0].dtype == torch.int8 for p in engine.predictors.values())
+    assert all(p.fc1[0].dtype == p.fc2t[0].dtype == torch.int8 for p in engine.model.predictors.values())
     assert engine.stats()["predictor_dtype"] == "int8" and engine.stats()["weight_dtype"] == "float32"
-    assert all(u.bundles.dtype == torch.float32 for layer in engine.weights.layers for u in layer.units)
+    assert all(u.bundles.dtype == torch.float32 for layer in engine.model.weights.layers for u in layer.units)
     with pytest.raises(SparseforgeError, match="unknown predictor dtype 'int4'"):
         Engine.load(ckpt, mode="sparse", context=32, progress=False, predictor_dtype="int4")
 
@@ -215,9 +215,9 @@ def test_top_k_and_top_p_restrict_the_support():
     assert torch.isfinite(filter_logits(logits, 1.0, 0, 0.7)).nonzero().flatten().tolist() == [0, 1]
     assert torch.isfinite(filter_logits(logits, 1.0, 0, 0.01)).nonzero().flatten().tolist() == [0]
     g = torch.Generator().manual_seed(0)
-    from sparseforge.runtime.sampling import sample
+    from sparseforge.runtime.sampling import choose
 
-    drawn = {sample(logits, GenerationConfig(temperature=2.0, top_k=2), g) for _ in range(200)}
+    drawn = {choose(logits, GenerationConfig(temperature=2.0, top_k=2), g) for _ in range(200)}
     assert drawn == {0, 1}
     with pytest.raises(SparseforgeError, match="top_p"):
         GenerationConfig(top_p=0.0)
@@ -302,7 +302,7 @@ def test_custom_units_factory_gives_the_resident_result(ckpts, family, mode):
         engine = Engine.load(ckpt, mode=mode, context=16, progress=False, units=_PermutedUnit, native=native)
         torch.testing.assert_close(_engine_logits(engine, ids, 4), ref, atol=2e-5, rtol=1e-4)
         assert engine.stats()["units"]["releases"] > 0
-        assert all(u.open == 0 for lw in engine.weights.layers for u in lw.units)
+        assert all(u.open == 0 for lw in engine.model.weights.layers for u in lw.units)
 
 
 @pytest.mark.skipif(kernels.native() is None, reason="no C compiler: the native kernels did not build")
@@ -316,9 +316,9 @@ def test_lean_decode_equals_the_general_path(ckpts, mode, dtype):
     runs = []
     for lean in (True, False):
         engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=16, progress=False)
-        assert (engine._row.lean is not None) and engine._row.lean.mode == mode
+        assert (engine.step.row.lean is not None) and engine.step.row.lean.mode == mode
         if not lean:
-            engine._row.lean = None  # every layer through Engine._mlp_row
+            engine.step.row.lean = None  # every layer through Step._layers
         logits = _engine_logits(engine, ids, 4)
         engine.reset_stats()
         _engine_logits(engine, ids, 4)  # counters after a reset: the lean path must follow the new ones
@@ -329,3 +329,28 @@ def test_lean_decode_equals_the_general_path(ckpts, mode, dtype):
     for key in ("neurons_computed_fraction", "neurons_fired_fraction", "bytes_touched_per_decode_token", "decode_tokens"):
         assert lean_stats[key] == pytest.approx(general_stats[key]), key
     assert (lean_stats["predictor_seconds"] > 0) == (mode == "sparse")
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_decode_gives_the_token_of_forwards_logits(ckpts, mode):
+    """Engine.decode (the head screen where there is one) picks what choose() picks from forward's logits, greedy and
+    sampled with the same generator state; it takes batch-1 caches with room only."""
+    from sparseforge.runtime.sampling import choose, make_generator
+
+    _, ckpt = ckpts["llama"]
+    ids = _ids(1, 6, seed=4)
+    for native in NATIVE:
+        engine = Engine.load(ckpt, mode=mode, context=8, progress=False, native=native)
+        for config in (GenerationConfig(), GenerationConfig(temperature=0.8, top_k=5)):
+            caches = [engine.new_cache(1), engine.new_cache(1)]
+            for cache in caches:
+                engine.forward(ids[:, :5], cache)
+            logits = engine.forward(ids[:, 5:], caches[0])[0, -1]
+            assert engine.decode(int(ids[0, 5]), caches[1], config, make_generator(3)) == choose(logits, config, make_generator(3))
+            assert caches[1].length == 6
+        with pytest.raises(SparseforgeError, match="batch-1 cache"):
+            engine.decode(1, engine.new_cache(2))
+        full = engine.new_cache(1, 2)
+        engine.forward(ids[:, :2], full)
+        with pytest.raises(SparseforgeError, match="exceed the context of 2"):
+            engine.decode(1, full)

@@ -13,7 +13,8 @@ from sparseforge.errors import SparseforgeError
 from sparseforge.runtime import kernels
 from sparseforge.runtime.engine import Engine, GenerationConfig
 from sparseforge.runtime.head import MAX_TOP_K, HeadScreen, screen_bytes
-from sparseforge.runtime.plan import PlanRequest, make_plan, parse_size
+from sparseforge.runtime.plan import PlanRequest, make_plan
+from sparseforge.runtime.sizes import parse_size
 from sparseforge.runtime.sampling import gumbel_noise, pick
 from sparseforge.runtime.store import tiered_units
 
@@ -207,11 +208,11 @@ def test_greedy_generation_through_the_screen_gives_the_unscreened_tokens(llama,
     config = GenerationConfig(max_new_tokens=24, stop_ids=())
     on = Engine.load(llama, mode=mode, weight_dtype=dtype, context=64, progress=False)
     off = Engine.load(llama, mode=mode, weight_dtype=dtype, context=64, progress=False, head_screen=False)
-    assert on.head_screen is not None and off.head_screen is None
+    assert on.model.head_screen is not None and off.model.head_screen is None
     assert list(on.generate(prompt, config)) == list(off.generate(prompt, config))
     s_on, s_off = on.stats(), off.stats()
     assert s_on["head_screen"] and s_on["head_rows_per_screened_token"] >= 1 and s_off["head_rows_per_screened_token"] is None
-    head = on.weights.lm_head.weight
+    head = on.model.weights.lm_head.weight
     assert s_on["resident_weight_bytes"] == s_off["resident_weight_bytes"] + screen_bytes(*head.shape)
     saved = head.numel() * head.element_size() - head.numel() - 16 * head.shape[0]
     assert s_off["bytes_touched_per_decode_token"] - s_on["bytes_touched_per_decode_token"] > saved * 0.5
@@ -235,7 +236,7 @@ def test_sampled_generation_through_the_screen_gives_the_unscreened_tokens(llama
 
 
 def test_engine_screen_choices(llama):
-    assert Engine.load(llama, mode="sparse", weight_dtype="int8", context=64, progress=False).head_screen is None
+    assert Engine.load(llama, mode="sparse", weight_dtype="int8", context=64, progress=False).model.head_screen is None
     with pytest.raises(SparseforgeError, match="head_screen=True but the lm_head is int8"):
         Engine.load(llama, mode="sparse", weight_dtype="int8", context=64, progress=False, head_screen=True)
     with pytest.raises(SparseforgeError, match="head_screen=True but the native kernels are off"):
@@ -251,9 +252,9 @@ def test_plans_reserve_the_screen_and_the_engine_follows_the_plan(llama):
     assert unscreened["head_screen"] == 0 and unscreened["total"] == reserve["total"] - reserve["head_screen"]
     with tiered_units(llama, plan, "float32", progress=False) as store:
         engine = Engine.load(llama, mode="sparse", context=64, units=store, progress=False)
-        assert engine.head_screen is not None and reserve["head_screen"] == engine.head_screen.nbytes
+        assert engine.model.head_screen is not None and reserve["head_screen"] == engine.model.head_screen.nbytes
     old = {**plan, "always_touched": {k: v for k, v in reserve.items() if k != "head_screen"}}  # a plan from before screens
     with tiered_units(llama, old, "float32", progress=False) as store:
-        assert Engine.load(llama, mode="sparse", context=64, units=store, progress=False).head_screen is None
+        assert Engine.load(llama, mode="sparse", context=64, units=store, progress=False).model.head_screen is None
         with pytest.raises(SparseforgeError, match="the placement plan reserves 0 B for it, not .* \\(make the plan again\\)"):
             Engine.load(llama, mode="sparse", context=64, units=store, progress=False, head_screen=True)

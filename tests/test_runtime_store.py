@@ -14,9 +14,10 @@ from sparseforge.predictors.fit import FittedUnit
 from sparseforge.predictors.model import LowRankPredictor
 from sparseforge.predictors.store import save_predictors
 from sparseforge.runtime.bundles import BundleFile, build_bundles, bundle_paths, bundles_up_to_date, ensure_bundles
-from sparseforge.runtime.plan import PlanRequest, make_plan, parse_size
+from sparseforge.runtime.plan import PlanRequest, make_plan
+from sparseforge.runtime.sizes import parse_size
 from sparseforge.runtime.store import NeuronStore, tiered_units
-from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader, resident_unit, units_resident_bytes
+from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader, predictors_nbytes, resident_unit, units_resident_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 I = 128  # tiny_model intermediate size
@@ -326,7 +327,7 @@ def test_plan_reserves_the_engines_predictors(llama, weight_dtype, predictor_dty
     assert plan["predictor_dtype"] == (predictor_dtype or weight_dtype)
     with tiered_units(llama, plan, weight_dtype, progress=False) as store:
         engine = Engine.load(llama, mode="sparse", weight_dtype=weight_dtype, context=64, units=store, progress=False, predictor_dtype=predictor_dtype)
-        assert plan["always_touched"]["predictors"] == engine._predictor_bytes() > 0
+        assert plan["always_touched"]["predictors"] == predictors_nbytes(engine.model.predictors) > 0
     small = make_plan(llama, PlanRequest(parse_size("25%"), context=64, dtype="float32", predictor_dtype="int8"))
     with tiered_units(llama, small, "float32", progress=False) as store:
         with pytest.raises(SparseforgeError, match="the plan reserves .* for predictors \\(int8\\), the engine's float32 predictors .* --predictor-dtype float32"):
@@ -366,8 +367,8 @@ def test_disk_backed_run_equals_the_fully_resident_run(family, dtype, size, requ
         assert s["misses"] > 0 and s["evictions"] > 0 and s["bytes_read"] >= s["misses"] * store.per_neuron
         assert s["hot_hits"] + s["cache_hits"] + s["misses"] == s["neurons"]
         assert s["resident_bytes"] <= s["mlp_budget_bytes"]
-        all_mlp = units_resident_bytes([u for lw in resident.weights.layers for u in lw.units])
-        channels = sum(4 * u.channels.numel() for lw in disk.weights.layers for u in lw.units if u.channels is not None)  # int8, outside the arena
+        all_mlp = units_resident_bytes([u for lw in resident.model.weights.layers for u in lw.units])
+        channels = sum(4 * u.channels.numel() for lw in disk.model.weights.layers for u in lw.units if u.channels is not None)  # int8, outside the arena
         assert disk.stats()["resident_weight_bytes"] == resident.stats()["resident_weight_bytes"] - all_mlp + s["resident_bytes"] + channels
         assert s["resident_bytes"] < all_mlp * float(size[:-1]) / 100 + 1
     assert not store._thread.is_alive()

@@ -1,0 +1,125 @@
+"""The MLP of a forward step, through the units (runtime/units.py) or the dense mode's matrices.
+
+Every row's MLP follows the model's mode (runtime/model.py). In the sparse mode the predictor reads the residual
+after attention (before the MLP norm). With several rows (prefill, scoring) the union of the rows' predicted neurons
+is computed once with PyTorch ops over the gathered bundles and each row's own mask applied, so each row gets
+exactly what a one-row sparse step computes. One row with native kernels: the predictor's ids, then per part of
+the unit's request one sf_sparse_mlp call (gate/up dots -> activation -> down accumulated into the residual). MoE
+layers touch only the routed experts.
+"""
+
+import time
+
+import torch
+
+from sparseforge.runtime import kernels
+from sparseforge.runtime.forward import route
+from sparseforge.runtime.meter import Meter
+from sparseforge.runtime.model import Model
+from sparseforge.runtime.units import row_bytes
+
+
+class SparseMLP:
+    """`mlp(layer, lw, xn, resid)`: resid += MLP(xn) for one layer; reports neurons, bytes and predictor time."""
+
+    def __init__(self, model: Model, meter: Meter):
+        self.model, self.meter = model, meter
+        self._native_predictor = {}  # per (layer, expert): (ids out [I], float scratch [rank + I])
+        self._arange = {}
+
+    def __call__(self, layer: int, lw, xn: torch.Tensor, resid: torch.Tensor) -> None:
+        """xn: [N, H] normed MLP input; resid: [N, H] the residual, the predictor's input, to which the output is added."""
+        if not self.model.moe:
+            self._unit(layer, 0, lw, xn, resid, None, resid)
+            return
+        weights, experts = route(lw.router, xn, self.model.top_k)  # [N, k]
+        y = torch.zeros_like(resid)  # every expert's predictor reads the residual before any output is added
+        for e in experts.unique().tolist():
+            rows, slot = torch.where(experts == e)
+            if rows.numel() == xn.shape[0]:  # every row routed here (one row): no gather
+                self._unit(layer, e, lw, xn, resid, weights[rows, slot], y)
+            else:
+                part = torch.zeros(rows.numel(), xn.shape[1])
+                self._unit(layer, e, lw, xn[rows], resid[rows], weights[rows, slot], part)
+                y.index_add_(0, rows, part)
+        resid += y
+
+    def _unit(self, layer: int, expert: int, lw, x: torch.Tensor, resid: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor) -> None:
+        """out [n, H] += scale [n] * one unit's MLP of x [n, H] (resid: the predictor's input)."""
+        if lw.dense:
+            y = self._dense(layer, lw.dense[expert], x)
+        elif self.model.native and x.shape[0] == 1:
+            self._native_row(layer, expert, lw.units[expert], x[0], resid[0], 1.0 if scale is None else float(scale[0]), out[0])
+            return
+        else:
+            y = self._rows(layer, expert, lw.units[expert], x, resid)
+        out += y if scale is None else y * scale[:, None]
+
+    def _dense(self, layer: int, mats, x: torch.Tensor) -> torch.Tensor:
+        """Every neuron with plain matmuls: x [n, H] -> [n, H]."""
+        gate_up, down = mats
+        g, u = gate_up(x).chunk(2, dim=-1)
+        h = self.model.activations[layer](g, u)
+        self.meter.mlp(h.numel(), h.numel(), int((h != 0).sum()), gate_up.nbytes + down.nbytes)
+        return down(h)
+
+    def _native_row(self, layer: int, expert: int, unit, xn: torch.Tensor, resid: torch.Tensor, scale: float, y: torch.Tensor) -> None:
+        """y [H] += scale * MLP(xn [H]) over the unit's predicted (sparse) or all (oracle) neurons: predictor, request,
+        compute the ready part, wait for the rest, compute it, release."""
+        I = unit.intermediate
+        neurons = self._predict_row(layer, expert, resid, I) if self.model.mode == "sparse" else None
+        if neurons is None:
+            neurons = self._all_neurons(I)
+        act, threads, counts = self.model.activations[layer], self.model.threads, self.meter.rows_read
+        for chunk in unit.order(neurons).split(unit.capacity) if neurons.numel() > unit.capacity else (neurons,):
+            req = unit.request(chunk)
+            kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, req.ready_slots, xn, act, y, scale, counts, threads)
+            _, slots = req.wait()
+            if slots.numel():
+                kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, slots, xn, act, y, scale, counts, threads)
+            req.release()
+        self.meter.native_mlp(neurons.numel(), I, row_bytes(unit))
+
+    def _predict_row(self, layer: int, expert: int, resid: torch.Tensor, intermediate: int) -> torch.Tensor | None:
+        """Predicted-active neuron ids of one row (None: the unit has no predictor, all active)."""
+        p = self.model.predictors[(layer, expert)]
+        if p is None:
+            return None
+        start = time.perf_counter()
+        if (layer, expert) not in self._native_predictor:
+            self._native_predictor[(layer, expert)] = (torch.empty(intermediate, dtype=torch.long), torch.empty(p.fc1[0].shape[0] + intermediate))
+        out, scratch = self._native_predictor[(layer, expert)]
+        ids = kernels.predict_native(p.fc1, p.fc2t, p.threshold, resid, out, scratch, self.model.threads)
+        self.meter.predictor(time.perf_counter() - start)
+        return ids
+
+    def _rows(self, layer: int, expert: int, unit, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
+        """Several rows (or PyTorch ops): the union of their neurons computed once, each row masked to its own prediction."""
+        I = unit.intermediate
+        keep = None
+        if self.model.mode == "sparse":
+            start = time.perf_counter()
+            p = self.model.predictors[(layer, expert)]
+            keep = torch.ones(x.shape[0], I, dtype=torch.bool) if p is None else kernels.predict_torch(p.fc1, p.fc2t, p.threshold, resid)  # [n, I]
+            self.meter.predictor(time.perf_counter() - start)
+            neurons = keep.any(0).nonzero().flatten()
+        else:
+            neurons = self._all_neurons(I)
+        y = torch.zeros_like(x)
+        act, fired = self.model.activations[layer], 0
+        for chunk in (unit.order(neurons) if neurons.numel() > unit.capacity else neurons).split(unit.capacity):
+            req = unit.request(chunk)
+            for ids, slots in ((req.ready_neurons, req.ready_slots), req.wait()):
+                if ids.numel():
+                    part, h = kernels.sparse_mlp_torch(unit.bundles, unit.scales, unit.channels, slots, x, act, None if keep is None else keep[:, ids])
+                    y += part
+                    fired += int((h != 0).sum())
+            req.release()
+        computed = int(keep.sum()) if keep is not None else x.shape[0] * I
+        self.meter.mlp(computed, x.shape[0] * I, fired, 3 * neurons.numel() * row_bytes(unit))
+        return y
+
+    def _all_neurons(self, intermediate: int) -> torch.Tensor:
+        if intermediate not in self._arange:
+            self._arange[intermediate] = torch.arange(intermediate)
+        return self._arange[intermediate]

@@ -1,0 +1,162 @@
+"""The loaded model: config, tokenizer, weights (runtime/weights.py), predictors, the lm_head's screen
+(runtime/head.py) and the settings it runs with. Everything a forward step reads; nothing here computes.
+
+    model = load_model(ckpt, mode="sparse")   # "sparse" | "oracle" | "dense"
+
+MLP modes:
+- "dense": every neuron, with plain matmuls over [I, H] matrices (the fair baseline);
+- "oracle": every neuron through the bundle kernels, keeping exactly those that fire (equals dense up to float
+  rounding; a parity check for the sparse path);
+- "sparse": the checkpoint's predictors (reading the residual after attention, before the MLP norm) choose the
+  neurons; only those are computed.
+"""
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sparseforge.errors import SparseforgeError
+from sparseforge.runtime import kernels
+from sparseforge.runtime.forward import AttentionShape, attention_shape, rope_tables
+from sparseforge.runtime.head import FLOAT_DTYPES, HeadScreen, screen_bytes
+from sparseforge.runtime.weights import ModelWeights, WeightReader, load_unit_predictors, load_weights, predictors_nbytes
+from sparseforge.sparsify.hf_code.modeling_sparseforge import GatedActivation
+
+MODES = ("sparse", "oracle", "dense")
+
+
+@dataclass
+class Model:
+    """A checkpoint read for the engine. predictors: per (layer, expert) (sparse mode), else None."""
+
+    ckpt: Path
+    config: object
+    tokenizer: object
+    weights: ModelWeights
+    predictors: dict | None
+    mode: str
+    context: int
+    threads: int
+    weight_dtype: str
+    native: bool
+    head_screen: HeadScreen | None
+    units: Callable | None = None  # the units factory the MLPs came from (None: resident bundles or dense matrices)
+    shape: AttentionShape = field(init=False)
+    cos: torch.Tensor = field(init=False)  # [context, head_dim]
+    sin: torch.Tensor = field(init=False)
+    activations: list = field(init=False)  # per layer: GatedActivation
+    moe: bool = field(init=False)
+    top_k: int = field(init=False)  # experts per token (1 without MoE)
+
+    def __post_init__(self):
+        self.shape = attention_shape(self.config)
+        self.cos, self.sin = rope_tables(self.config, self.context)
+        sparsity = self.config.sparsity
+        thresholds = sparsity.get("thresholds") or [0.0] * self.config.num_hidden_layers
+        self.activations = [GatedActivation(sparsity["activation"], t) for t in thresholds]
+        self.moe = self.weights.layers[0].router is not None
+        self.top_k = int(getattr(self.config, "num_experts_per_tok", 1) or 1) if self.moe else 1
+
+    @property
+    def predictor_dtype(self) -> str | None:
+        """The predictors' dtype name (None: no predictors in this mode)."""
+        p = next((p for p in (self.predictors or {}).values() if p is not None), None)
+        return None if p is None else str(p.fc1[0].dtype).removeprefix("torch.")
+
+    def resident_bytes(self) -> int:
+        """Weights, predictors and head screen held in memory."""
+        screen = self.head_screen.nbytes if self.head_screen is not None else 0
+        return self.weights.resident_bytes() + predictors_nbytes(self.predictors or {}) + screen
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """The tokenizer's EOS id(s) and the checkpoint's generation_config eos_token_id(s)."""
+        path = self.ckpt / "generation_config.json"
+        generation_eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+        ids = set()
+        for value in (self.tokenizer.eos_token_id, getattr(self.config, "eos_token_id", None), generation_eos):
+            if value is not None:
+                ids.update(value if isinstance(value, list | tuple) else [value])
+        return tuple(sorted(int(i) for i in ids))
+
+
+def load_model(ckpt: str | Path, mode: str = "sparse", weight_dtype: str = "float32", context: int = 2048, threads: int | None = None,
+               units: Callable | None = None, progress: bool = True, native: bool | None = None, predictor_dtype: str | None = None,
+               head_screen: bool | None = None) -> Model:
+    """Read a sparse checkpoint; the arguments are Engine.load's (runtime/engine.py)."""
+    from transformers import AutoTokenizer
+
+    ckpt = Path(ckpt)
+    if mode not in MODES:
+        raise SparseforgeError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    if context < 1:
+        raise SparseforgeError(f"context={context} must be at least 1 token")
+    if threads is not None:
+        if threads < 1:
+            raise SparseforgeError(f"threads={threads} must be at least 1")
+        torch.set_num_threads(threads)
+    threads = threads or torch.get_num_threads()
+    config = _load_config(ckpt)
+    plan = getattr(units, "plan", None)  # a neuron store's placement plan: its reserve must hold the predictors and head screen
+    predictors = _load_predictors(ckpt, predictor_dtype or weight_dtype, plan) if mode == "sparse" else None
+    reader = WeightReader(ckpt, weight_dtype)
+    available = kernels.native() is not None
+    if native and not available:
+        raise SparseforgeError("native=True but the native kernels did not build (see the warning above); install a C compiler (cc)")
+    native = available if native is None else native
+    with torch.inference_mode():
+        weights = load_weights(reader, config, mode, units, threads, native, progress)
+        screen = _head_screen(weights, plan, threads, native, head_screen)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt, local_files_only=True, trust_remote_code=False)  # needs none of the custom code
+    return Model(ckpt, config, tokenizer, weights, predictors, mode, context, threads, weight_dtype, native, screen, units)
+
+
+def _load_config(ckpt: Path):
+    from sparseforge.checkpoint import sparsity_settings
+    from sparseforge.families import family_for
+
+    path = ckpt / "config.json"
+    if not path.is_file():
+        raise SparseforgeError(f"{path} does not exist; pass a sparse checkpoint directory (sparseforge convert)")
+    config_cls, _ = family_for(json.loads(path.read_text()).get("model_type", "?")).classes()
+    config = config_cls.from_pretrained(ckpt)
+    sparsity_settings(config)
+    if getattr(config, "mlp_bias", False):
+        raise SparseforgeError(f"{ckpt} has MLP biases (mlp_bias=true); the sparse engine supports bias-free MLPs only")
+    return config
+
+
+def _load_predictors(ckpt: Path, dtype: str, plan: dict | None) -> dict:
+    if not (ckpt / "predictors.json").is_file():
+        raise SparseforgeError(f"{ckpt} has no predictors (predictors.json); train them with `sparseforge predictors train {ckpt}` or use mode='oracle'/'dense'")
+    predictors = load_unit_predictors(ckpt, dtype)
+    need = predictors_nbytes(predictors)
+    if plan is not None and need > plan["always_touched"]["predictors"]:
+        raise SparseforgeError(
+            f"the plan reserves {plan['always_touched']['predictors']} B for predictors ({plan.get('predictor_dtype', 'float32')}), "
+            f"the engine's {dtype} predictors take {need} B; make the plan with --predictor-dtype {dtype} "
+            "(or load the engine with the plan's predictor dtype)"
+        )
+    return predictors
+
+
+def _head_screen(weights: ModelWeights, plan: dict | None, threads: int, native: bool, wanted: bool | None) -> HeadScreen | None:
+    """The lm_head's screen: None when not wanted or not possible; an error when wanted (True) and not possible."""
+    if wanted is False:
+        return None
+    head = weights.lm_head
+    why = None
+    if not native:
+        why = "the native kernels are off"
+    elif head.weight.dtype not in FLOAT_DTYPES or head.bias is not None:
+        why = f"the lm_head is {str(head.weight.dtype).removeprefix('torch.')}{' with a bias' if head.bias is not None else ''} (a screen needs a float head without bias)"
+    need = screen_bytes(*head.weight.shape)
+    if why is None and plan is not None and plan["always_touched"].get("head_screen", 0) < need:
+        why = f"the placement plan reserves {plan['always_touched'].get('head_screen', 0)} B for it, not {need} B (make the plan again)"
+    if why is not None:
+        if wanted:
+            raise SparseforgeError(f"head_screen=True but {why}; load with head_screen=None or False")
+        return None
+    return HeadScreen(head.weight, threads)
