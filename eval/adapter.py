@@ -235,22 +235,30 @@ class SparseforgeLM(TemplateLM):
 
     # ---- generation ------------------------------------------------------------------------------
     def _greedy(self, ids: list[int], max_new: int, until: list[str]) -> list[int]:
-        """Greedy continuation of ids (at most max_new tokens), stopped at a stop id or once a stop string appears.
-        Steps after the prompt go through Engine.decode_greedy (the lm_head's int8 screen where the engine has one:
-        the argmax of sf_matvec's full logits)."""
-        cache, out = self.engine.new_cache(1, min(self.max_length, len(ids) + max_new)), []
-        token = int(self._forward(torch.tensor([ids]), cache, logits_from=-1)[0, -1].argmax())
-        for _ in range(max_new):
-            if token in self.stop_ids:
-                break
-            out.append(token)
-            if len(out) == max_new or any(s and s in self.tok_decode(out) for s in until):
-                break
-            start = time.perf_counter()
-            token = self.engine.decode_greedy(token, cache)
-            self.timing["seconds"] += time.perf_counter() - start
-            self.timing["forward_tokens"] += 1
-        return out
+        """Greedy continuation of ids (at most max_new tokens), stopped at a stop id or once a stop string appears:
+        runtime/generate.py's token loop (decode steps through the lm_head's int8 screen where the engine has one:
+        the argmax of sf_matvec's full logits). The engine's time is what the loop takes to hand over each token."""
+        from sparseforge.runtime.generate import generate
+        from sparseforge.runtime.sampling import GenerationConfig
+
+        tokens = generate(self.engine, ids, GenerationConfig(max_new_tokens=max_new, stop_ids=tuple(self.stop_ids)))
+        out, fed = [], len(ids)  # the first token follows the prompt's forward, each later one a one-token step
+        try:
+            while True:
+                start = time.perf_counter()
+                token = next(tokens, None)
+                self.timing["seconds"] += time.perf_counter() - start
+                if token is None:
+                    return out
+                self.timing["forward_tokens"] += fed
+                fed = 1
+                if token in self.stop_ids:
+                    return out
+                out.append(token)
+                if any(s and s in self.tok_decode(out) for s in until):
+                    return out
+        finally:
+            tokens.close()
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy generation through the engine; text cut at the first stop string (as HFLM does)."""

@@ -1,5 +1,5 @@
 """CLI verbs of the eval stage: `tasks` (offline lm-eval task configs), `eval` (accuracy of the original, exact-mask
-and predicted-mask models), `push` (publish on the Hub), `lm-eval-plugin` (make `lm_eval --model sparseforge` work)."""
+and predicted-mask models), `scorecard` (accuracy and speed), `lm-eval-plugin` (make `lm_eval --model sparseforge` work)."""
 
 import json
 
@@ -10,7 +10,6 @@ from sparseforge.data import DATA_ENV, DEFAULT_DATA_ROOT
 def register(subparsers) -> None:
     _register_tasks(subparsers)
     _register_eval(subparsers)
-    _register_push(subparsers)
     _register_plugin(subparsers)
     _register_scorecard(subparsers)
 
@@ -90,42 +89,6 @@ def eval_command(args) -> int:
     return 0
 
 
-def _register_push(subparsers) -> None:
-    p = subparsers.add_parser(
-        "push",
-        help="upload a sparse checkpoint to the Hugging Face Hub (after a clean-interpreter load check)",
-        description="Check that CKPT loads with plain transformers (trust_remote_code) in a clean interpreter, regenerate "
-        "its model card (README.md: how to load it with a pinned revision, how to run it with sparseforge, accuracy, "
-        "sparsity, predictors), and upload the folder with huggingface_hub. The token comes from HF_TOKEN or "
-        "`hf auth login`.",
-        formatter_class=HelpFormatter,
-    )
-    p.add_argument("ckpt", help="the checkpoint directory to upload")
-    p.add_argument("--repo-id", required=True, help="Hub repository, ORG/NAME (created if missing)")
-    p.add_argument("--private", action="store_true", help="create the repository private")
-    p.add_argument("--revision", default=None, help="branch to push to (created if missing; default main)")
-    p.add_argument("--dry-run", action="store_true", help="check and list the files and sizes that would be uploaded, then stop")
-    p.add_argument("--skip-load-check", action="store_true", help="do not load the checkpoint in a clean interpreter first")
-    p.set_defaults(func=push_command)
-
-
-def push_command(args) -> int:
-    from sparseforge.eval.push import check_loads, format_plan, hub_token, plan_push, push
-
-    plan = plan_push(args.ckpt, args.repo_id, args.revision)
-    if not args.dry_run:
-        hub_token()  # a missing token fails before the slow load check
-    if not args.skip_load_check:
-        info = check_loads(args.ckpt)
-        print(f"clean load ok: {info['class']} ({info['module']})")
-    print(format_plan(plan))
-    if args.dry_run:
-        print("dry run: nothing uploaded")
-        return 0
-    print(f"uploaded: {push(args.ckpt, plan, private=args.private)}")
-    return 0
-
-
 def _register_plugin(subparsers) -> None:
     p = subparsers.add_parser(
         "lm-eval-plugin",
@@ -141,13 +104,12 @@ def _register_plugin(subparsers) -> None:
 
 
 def plugin_command(args) -> int:
-    from sparseforge.checkpoint import atomic_write_text
+    from sparseforge.atomic import atomic_write_text
     from sparseforge.eval.lm_eval_plugin import pth_line, pth_path
 
     path = pth_path()
     if args.install:
         atomic_write_text(path, pth_line())
-        path.chmod(0o644)
     elif args.uninstall:
         path.unlink(missing_ok=True)
     print(f"{path}: {'installed' if path.is_file() else 'not installed'}")

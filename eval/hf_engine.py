@@ -1,7 +1,8 @@
 """The engine interface of `sparseforge.runtime.engine` over an in-memory transformers model.
 
 The lm-eval adapter speaks to an engine through five calls: `new_cache(batch)`, `forward(ids, cache, logits_from)`,
-`decode_greedy(token, cache)`, `cache.fork(n)` and `cache.length` (plus `tokenizer`, `config`, `context`). `HFEngine` answers them with
+`decode(token, cache, config, generator)`, `cache.fork(n)` and `cache.length` (plus `tokenizer`, `config`, `context`,
+`stop_ids()`; generation runs runtime/generate.py's loop over them). `HFEngine` answers them with
 the plain transformers forward and a `DynamicCache`, and applies the same MLP modes as the runtime through
 `predictors.mask.masked_mlps` ("oracle": exact firing mask, "sparse": the predictors' mask, "dense": none).
 
@@ -98,9 +99,13 @@ class HFEngine:
             out = self.model(input_ids=ids, past_key_values=cache.kv, use_cache=True, logits_to_keep=-logits_from if logits_from < 0 else ids.shape[1] - logits_from)
         return out.logits.float()
 
-    def decode_greedy(self, token: int, cache: HFCache) -> int:
-        """Engine.decode_greedy: append `token` to a batch-1 cache, return the argmax of the next logits."""
-        return int(self.forward(torch.tensor([[token]]), cache)[0, -1].argmax())
+    def decode(self, token: int, cache: HFCache, config=None, generator: torch.Generator | None = None) -> int:
+        """Engine.decode: append `token` to a batch-1 cache, return the next token (greedy without a config, else
+        runtime.sampling.choose on the next logits)."""
+        from sparseforge.runtime.sampling import choose
+
+        logits = self.forward(torch.tensor([[token]]), cache)[0, -1]
+        return int(logits.argmax()) if config is None else choose(logits, config, generator)
 
     def stop_ids(self) -> tuple[int, ...]:
         """Token ids that end a generation: the tokenizer's EOS and the model's generation_config eos_token_id(s)."""

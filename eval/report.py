@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparseforge.checkpoint import SPARSITY_PROVENANCE, atomic_write_text, read_artifact, recorded_source, write_artifact
+from sparseforge.atomic import atomic_write_text
+from sparseforge.checkpoint import SPARSITY_PROVENANCE, read_artifact, recorded_source, write_artifact
 from sparseforge.errors import SparseforgeError
 
 EVAL_FORMAT_VERSION = 1

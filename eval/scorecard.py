@@ -3,24 +3,23 @@ statistics, as CKPT/scorecard.json (format_version 1), a Markdown table, two PNG
 
 Speed is measured in one process, engine modes alternating in every repetition (DESIGN.md: ratios from one
 run, medians): for each mode a prompt of `prompt_tokens` real text tokens is prefilled into a fresh cache,
-then `decode_tokens` greedy single-token steps follow (Engine.decode_greedy, as `generate` runs them). Per mode: median prefill and decode tokens/s, the
+then `decode_tokens` greedy single-token steps follow (Engine.generate's token loop). Per mode: median prefill and decode tokens/s, the
 engine's own counters (bytes touched per decode token, fraction of neurons computed, resident weight bytes)
 and the process's peak-RSS growth while that engine loaded. Accuracy comes from CKPT/eval.json
 (`sparseforge eval`); the "original" row is paired with the dense mode's speed (same architecture, every
 neuron), "oracle" with oracle, "sparse" with sparse.
 """
 
-import os
 import resource
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from sparseforge.checkpoint import atomic_write_text, write_artifact
+from sparseforge.atomic import atomic_path, atomic_write_text
+from sparseforge.checkpoint import write_artifact
 from sparseforge.data import pretrain_prompt
 from sparseforge.errors import SparseforgeError
 
@@ -43,13 +42,16 @@ def _peak_rss_bytes() -> int:
 
 
 def _one_run(engine, ids: torch.Tensor, decode_tokens: int) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s) of one prefill + greedy decode from a fresh cache."""
-    cache = engine.new_cache(1)
+    """(prefill tokens/s, decode tokens/s) of one greedy generation (runtime/generate.py, as `generate` runs it)
+    from a fresh cache: the prompt, then `decode_tokens` one-token steps."""
+    from sparseforge.runtime.sampling import GenerationConfig
+
+    tokens = engine.generate(ids[0], GenerationConfig(max_new_tokens=decode_tokens + 1, stop_ids=()))
     start = time.perf_counter()
-    token = int(engine.forward(ids, cache, logits_from=-1)[0, -1].argmax())
+    next(tokens)
     prefilled = time.perf_counter()
-    for _ in range(decode_tokens):
-        token = engine.decode_greedy(token, cache)  # as `generate` decodes greedily (through the head screen if any)
+    for _ in tokens:
+        pass
     done = time.perf_counter()
     return ids.shape[1] / (prefilled - start), decode_tokens / (done - prefilled)
 
@@ -118,13 +120,8 @@ def points(scorecard: dict) -> list[dict]:
 
 
 def _save_png(fig, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
 
 
 def plot(ckpt: Path, scorecard: dict) -> list[Path]:
@@ -193,7 +190,7 @@ def markdown(scorecard: dict) -> str:
 
 def make_scorecard(ckpt: str | Path, settings: SpeedSettings, progress: bool = True, log=print) -> dict:
     """Measure speed, gather the other artifacts, write scorecard.json, the plots and README.md."""
-    from sparseforge.eval.card import build_card
+    from sparseforge.export.card import build_card
 
     ckpt = Path(ckpt)
     accuracy = _read(ckpt, "eval")

@@ -1,1 +1,1 @@
-"""Stage 3, predictors: activation profiles and per-layer neuron predictors (issue 4)."""
+"""Predictors: activation profiles and per-layer neuron predictors."""

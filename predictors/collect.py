@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from sparseforge.families import num_experts
-from sparseforge.predictors.hooks import MLPTap
+from sparseforge.hooks import hook_mlps
 from sparseforge.sparsify.measure import batches, take_tokens
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
@@ -135,11 +135,11 @@ def collect_pairs(
     for part, tokens in (("train", train_tokens), ("heldout", heldout_tokens)):
         target = getattr(sets, part)
 
-        def fn(layer, expert, x, h, target=target):
-            target[layer][expert].offer(x, h != 0)
+        def fn(call, target=target):
+            target[call.layer][call.expert].offer(call.x, call.h != 0)
 
         seen = 0
-        with MLPTap(model, fn), torch.inference_mode(), tqdm(total=tokens, unit="tok", desc=f"collect {part}", disable=not progress) as bar:
+        with hook_mlps(model, fn, inputs=True), torch.inference_mode(), tqdm(total=tokens, unit="tok", desc=f"collect {part}", disable=not progress) as bar:
             for batch in batches(take_tokens(stream, tokens), batch_size):
                 model(torch.tensor(batch, device=device), use_cache=False)
                 seen += len(batch) * len(batch[0])

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 import torch
 
 from sparseforge.errors import SparseforgeError
+from sparseforge.hooks import MLPCall, hook_mlps
 from sparseforge.predictors.calibrate import rates
-from sparseforge.predictors.hooks import MLPTap
 from sparseforge.predictors.store import PredictorSet
 from sparseforge.sparsify.measure import measure_sparsity
 
@@ -33,7 +33,8 @@ def masked_mlps(model, mode: str, predictors: PredictorSet | None = None, counts
     if mode == "predicted" and predictors is None:
         raise SparseforgeError("mask mode 'predicted' needs predictors; train them first (sparseforge predictors train CKPT)")
 
-    def fn(layer: int, expert: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def fn(call: MLPCall) -> torch.Tensor:
+        layer, expert, x, h = call.layer, call.expert, call.x, call.h
         fired = h != 0  # [N, I]
         keep = fired if mode == "oracle" else predictors.predict(layer, expert, x)
         if counts is not None:
@@ -45,7 +46,7 @@ def masked_mlps(model, mode: str, predictors: PredictorSet | None = None, counts
             c["tn"] += fired.numel() - kept - n_fired + tp
         return torch.where(keep, h, torch.zeros((), dtype=h.dtype, device=h.device))
 
-    with MLPTap(model, fn):
+    with hook_mlps(model, fn, inputs=True):
         yield
 
 

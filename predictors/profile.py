@@ -21,8 +21,8 @@ from tqdm.auto import tqdm
 from sparseforge.checkpoint import read_artifact, write_artifact
 from sparseforge.errors import SparseforgeError
 from sparseforge.families import num_experts
+from sparseforge.hooks import hook_mlps
 from sparseforge.predictors.collect import mlp_width, reservoirs
-from sparseforge.predictors.hooks import MLPTap
 from sparseforge.predictors.tensorfile import load_tensors, save_tensors
 from sparseforge.sparsify.measure import batches, take_tokens
 
@@ -99,15 +99,15 @@ def profile_model(
     seen = torch.zeros(layers, experts, dtype=torch.int64)
     sample = reservoirs(model, 2 * coact_tokens, with_inputs=False)
 
-    def fn(layer, expert, x, h):
-        fired = h != 0  # [N, I]
-        counts[layer, expert] += fired.sum(0).cpu()
-        seen[layer, expert] += fired.shape[0]
-        sample[layer][expert].offer(None, fired)
+    def fn(call):
+        fired = call.h != 0  # [N, I]
+        counts[call.layer, call.expert] += fired.sum(0).cpu()
+        seen[call.layer, call.expert] += fired.shape[0]
+        sample[call.layer][call.expert].offer(None, fired)
 
     device = next(model.parameters()).device
     total = 0
-    with MLPTap(model, fn), torch.inference_mode(), tqdm(total=tokens, unit="tok", desc="profile", disable=not progress) as bar:
+    with hook_mlps(model, fn), torch.inference_mode(), tqdm(total=tokens, unit="tok", desc="profile", disable=not progress) as bar:
         for batch in batches(take_tokens(windows, tokens), batch_size):
             model(torch.tensor(batch, device=device), use_cache=False)
             total += len(batch) * len(batch[0])

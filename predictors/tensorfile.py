@@ -1,27 +1,20 @@
 """Safetensors files of the predictors stage, written atomically and stamped with a format_version."""
 
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from sparseforge.atomic import atomic_path
 from sparseforge.errors import SparseforgeError
 
 
 def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
     """Write `tensors` to `path` (temp name in the same directory, then rename); metadata must hold format_version."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 

@@ -8,20 +8,18 @@ Layout (see docs/formats.md):
     tokenizer files, generation_config.json, README.md (model card)
     <artifact>.json                  plain-data artifacts of later stages, each with `format_version`
 
-Every write is atomic: files are written to a temporary name and renamed into place; a whole new
-checkpoint is assembled in a temporary sibling directory and renamed when complete.
+Every write is atomic (sparseforge.atomic): files are written to a temporary name and renamed into place; a
+whole new checkpoint is assembled in a temporary sibling directory and renamed when complete.
 """
 
-import contextlib
 import json
-import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from sparseforge.atomic import atomic_directory, atomic_write_text
 from sparseforge.errors import SparseforgeError
 from sparseforge.families import family_for
 
@@ -37,21 +35,6 @@ def _hf_code_dir() -> Path:
     from sparseforge.sparsify import hf_code
 
     return Path(hf_code.__file__).resolve().parent
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write text so that readers see either the old file or the complete new one."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_artifact(ckpt: str | Path, name: str, data: dict, format_version: int) -> Path:
@@ -110,22 +93,6 @@ def sparse_config(base_config, activation: str, thresholds: list[float] | None, 
         "AutoModelForCausalLM": f"modeling_sparseforge.{model_cls.__name__}",
     }
     return config
-
-
-@contextlib.contextmanager
-def atomic_directory(out: Path):
-    """Yield a temporary sibling of `out` to fill; on success it replaces `out` whole, on failure it is removed."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary shared directory
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def check_output(out: str | Path, force: bool) -> None:

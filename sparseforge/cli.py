@@ -14,11 +14,19 @@ from sparseforge.errors import SparseforgeError
 
 # verb -> module whose `register(subparsers)` adds it
 STAGE_CLIS = ("sparseforge.sparsify.cli", "sparseforge.train.cli", "sparseforge.predictors.cli", "sparseforge.eval.cli", "sparseforge.runtime.cli",
-              "sparseforge.pipeline")
+              "sparseforge.export.cli", "sparseforge.pipeline")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+class _RaisingParser(argparse.ArgumentParser):
+    """A parser whose usage errors raise SparseforgeError(message) instead of printing usage and exiting."""
+
+    def error(self, message: str):
+        raise SparseforgeError(message)
+
+
+def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
+    """The `sparseforge` parser; raise_errors: bad arguments raise SparseforgeError (the pipeline's up-front check)."""
+    parser = (_RaisingParser if raise_errors else argparse.ArgumentParser)(
         prog="sparseforge",
         description="Make LLMs activation-sparse and run them fast. See docs/cli.md.",
     )
@@ -29,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -39,7 +47,7 @@ def _quiet_libraries() -> None:
 def run_command(func, args) -> int:
     """Run one verb: SparseforgeError -> one line on stderr, exit 2."""
     try:
-        _quiet_libraries()
+        quiet_libraries()
         return func(args) or 0
     except SparseforgeError as e:
         print(f"sparseforge {args.command}: error: {e}", file=sys.stderr)
@@ -47,20 +55,6 @@ def run_command(func, args) -> int:
     except KeyboardInterrupt:
         print(f"sparseforge {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-def run_stage(parser: argparse.ArgumentParser, argv: list[str], stage: str) -> None:
-    """Run one verb in-process for the pipeline: a failure raises SparseforgeError naming the stage and command."""
-    import shlex
-
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit:
-        raise SparseforgeError(f"stage {stage}: `sparseforge {shlex.join(argv)}` has bad arguments (usage above); fix the recipe's stages.{stage}") from None
-    _quiet_libraries()
-    status = args.func(args) or 0
-    if status:
-        raise SparseforgeError(f"stage {stage}: `sparseforge {shlex.join(argv)}` exited with status {status}")
 
 
 def main(argv: list[str] | None = None) -> int:

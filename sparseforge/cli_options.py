@@ -1,10 +1,10 @@
 """Options shared by the verbs: the help formatter of every verb, and the text-stream options of the verbs
-that stream real text through a model (measure, threshold, profile, predictors) with their model load."""
+that stream real text through a model (measure, threshold, profile, predictors)."""
 
 import argparse
 
-from sparseforge.data import DATA_ENV, default_pretrain_glob
-from sparseforge.errors import SparseforgeError
+from sparseforge.data import DATA_ENV, TextStream, default_pretrain_glob
+from sparseforge.errors import check_positive  # noqa: F401  (the verbs' CLIs check their options with it)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -18,7 +18,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def add_text_stream_options(p: argparse.ArgumentParser, tokens: int, what: str) -> None:
-    """--data, --text-field, --tokens, --seq-len, --batch-size, --device, --threads, --no-progress."""
+    """--data, --text-field, --tokens, --seq-len, --batch-size, --device, --threads, --no-progress (stream_options reads them)."""
     p.add_argument("--data", nargs="+", default=None, help=f"text files or globs (.jsonl[.gz], .txt, .parquet); default: ${DATA_ENV}/pretrain/*/*.jsonl.gz, i.e. {default_pretrain_glob()}")
     p.add_argument("--text-field", default="text", help="JSON/parquet field holding the text")
     p.add_argument("--tokens", type=int, default=tokens, help=what)
@@ -29,39 +29,7 @@ def add_text_stream_options(p: argparse.ArgumentParser, tokens: int, what: str) 
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def check_positive(**values) -> None:
-    """Each given option (None = unset) must be > 0; the error names it as its flag."""
-    for name, value in values.items():
-        if value is not None and value <= 0:
-            raise SparseforgeError(f"--{name.replace('_', '-')} must be positive, got {value}")
-
-
-def load_for_stream(args, path: str, sparse_for: str | None = None):
-    """(model, tokenizer, source) of `path` in float32 on --device, after checking the stream's numeric options
-    (before the slow load). sparse_for: the verb that needs a sparse checkpoint; a dense model is then an error
-    that names the conversion."""
-    from sparseforge.families import is_sparse
-    from sparseforge.sources import load_model
-
-    check_positive(tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size, threads=args.threads)
-    model, tokenizer, source = load_model(path, dtype="float32", device=args.device)
-    if sparse_for and not is_sparse(model.config):
-        raise SparseforgeError(f"{path} is not a sparse checkpoint, which {sparse_for} needs; convert it first: "
-                               f"sparseforge convert {path} --activation drelu --out DIR")  # fmt: skip
-    return model, tokenizer, source
-
-
-def text_stream(args, tokenizer):
-    """The options' text as token windows: (windows iterator, the data patterns used).
-
-    Applies --threads and expands --data (an error if nothing matches); callers check the numeric options first,
-    before loading a model (load_for_stream does)."""
-    import torch
-
-    from sparseforge.data import expand, interleave_documents, pack_tokens
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    patterns = args.data or [default_pretrain_glob()]
-    files = expand(patterns)
-    return pack_tokens(interleave_documents(files, args.text_field), tokenizer, args.seq_len), patterns
+def stream_options(args: argparse.Namespace) -> TextStream:
+    """The text-stream options of a parsed verb."""
+    return TextStream(tuple(args.data) if args.data else None, args.text_field, args.tokens, args.seq_len, args.batch_size,
+                      args.device, args.threads, not args.no_progress)

@@ -6,12 +6,14 @@ Accepted files: `.jsonl`, `.jsonl.gz`, `.json.gz` (one JSON object per line, tex
 
 import glob
 import gzip
+import itertools
 import json
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from sparseforge.errors import SparseforgeError
+from sparseforge.errors import SparseforgeError, check_positive
 
 DATA_ENV = "SPARSEFORGE_DATA"
 DEFAULT_DATA_ROOT = "../shared/data"
@@ -95,17 +97,57 @@ def interleave_documents(files: list[Path], text_field: str = "text") -> Iterato
                 yield doc
 
 
-def pack_tokens(docs: Iterable[str], tokenizer, seq_len: int) -> Iterator[list[int]]:
-    """Tokenize documents, join them with EOS between documents, cut into windows of seq_len tokens."""
+def document_tokens(docs: Iterable[str], tokenizer, batch_docs: int = 256) -> Iterator[list[int]]:
+    """Each document's token ids followed by EOS, tokenized `batch_docs` documents per tokenizer call.
+
+    The one tokenization of text in sparseforge: the training token stores (train/tokens.py) hold exactly
+    these ids, and `pack_tokens` cuts them into windows."""
     if tokenizer.eos_token_id is None:
         raise SparseforgeError("the tokenizer has no EOS token; sparseforge packs documents with EOS between them")
+    docs = iter(docs)
+    while batch := list(itertools.islice(docs, batch_docs)):
+        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+            yield ids + [tokenizer.eos_token_id]
+
+
+def pack_tokens(docs: Iterable[str], tokenizer, seq_len: int) -> Iterator[list[int]]:
+    """Documents joined with EOS after each (document_tokens), cut into windows of seq_len tokens."""
     buffer: list[int] = []
-    for doc in docs:
-        buffer.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
-        buffer.append(tokenizer.eos_token_id)
+    for ids in document_tokens(docs, tokenizer):
+        buffer.extend(ids)
         while len(buffer) >= seq_len:
             yield buffer[:seq_len]
             buffer = buffer[seq_len:]
+
+
+@dataclass(frozen=True)
+class TextStream:
+    """Real text streamed through a model, as token windows (measure, threshold, profile, predictors)."""
+
+    data: tuple[str, ...] | None = None  # files or globs; None: the pretraining samples under the data root
+    text_field: str = "text"  # JSON / parquet field holding the text
+    tokens: int = 16384  # tokens to stream
+    seq_len: int = 512  # tokens per window
+    batch_size: int = 4  # windows per forward pass
+    device: str = "cpu"
+    threads: int | None = None  # torch CPU threads; None: torch's choice
+    progress: bool = True
+
+    def check(self) -> None:
+        """Each numeric setting must be positive; the error names it as its flag."""
+        check_positive(tokens=self.tokens, seq_len=self.seq_len, batch_size=self.batch_size, threads=self.threads)
+
+    @property
+    def patterns(self) -> list[str]:
+        return list(self.data) if self.data else [default_pretrain_glob()]
+
+    def windows(self, tokenizer) -> Iterator[list[int]]:
+        """The text as token windows [seq_len] (pack_tokens), after applying `threads`; --data matching nothing is an error."""
+        import torch
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        return pack_tokens(interleave_documents(expand(self.patterns), self.text_field), tokenizer, self.seq_len)
 
 
 def pretrain_prompt(tokenizer, n: int) -> list[int]:

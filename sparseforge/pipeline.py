@@ -1,7 +1,9 @@
 """`sparseforge run RECIPE.yaml`: the whole pipeline, dense model -> scored, exported sparse model.
 
-Every stage is exactly one `sparseforge` command (printed before it runs, so any stage can be re-run by
-hand), and the checkpoint directory is the only thing stages pass on. A stage is *up to date* when the
+Every stage is a call of that stage's verb function in this process, printed before it runs as the equivalent
+`sparseforge` command (so any stage can be re-run by hand); the checkpoint directory is the only thing stages
+pass on. Every stage's options are checked before the first stage starts: a bad stage name or option stops the
+run with one line naming it. A stage is *up to date* when the
 run record (`OUTPUT_DIR/pipeline.json`) says it finished with the same command line and settings, the
 files it read are unchanged since (size and mtime), and the files it writes exist; up-to-date stages are
 skipped. Stages write atomically and training resumes from its latest state, so an interrupted run
@@ -35,7 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparseforge.checkpoint import atomic_write_text
+from sparseforge import summaries
+from sparseforge.atomic import atomic_write_text
 from sparseforge.errors import SparseforgeError
 
 RUN_FORMAT_VERSION = 1
@@ -47,7 +50,7 @@ class Stage:
     commands: Callable[["Run", list[str]], list[list[str]]]  # (run, extra-argument strings) -> argv lists
     inputs: Callable[["Run"], list[Path]]  # files read (fingerprinted)
     outputs: Callable[["Run", list[list[str]]], list[Path]]  # files that must exist afterwards
-    summary: Callable[["Run"], str]  # one line from the stage's artifacts
+    summary: Callable[[Path], str]  # one line from the stage's artifacts in the checkpoint (sparseforge.summaries)
 
 
 @dataclass
@@ -111,12 +114,10 @@ def _train(run: Run, extra: list[str]) -> list[list[str]]:
     return [argv + _no_progress(run) + _args(extra[0])]
 
 
-def _resuming(run: Run, stage: str, argv: list[str]) -> list[str]:
+def _resuming(run: Run, stage: str) -> bool:
     """Training continues from its latest saved state after an interruption (not part of the recorded command)."""
     state = run.dir / "state"
-    if stage == "train" and state.is_dir() and any(state.glob("step-*")):
-        return argv + ["--resume"]
-    return argv
+    return stage == "train" and state.is_dir() and any(state.glob("step-*"))
 
 
 def _ckpt_verb(*verb: str, progress_flag: bool = True) -> Callable[[Run, list[str]], list[list[str]]]:
@@ -153,76 +154,24 @@ def _plan_outputs(run: Run, cmds: list[list[str]]) -> list[Path]:
     return [run.ckpt / c[c.index("--out") + 1] for c in cmds if "--out" in c]
 
 
-def _json(run: Run, name: str) -> dict:
-    path = run.ckpt / name
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def _sum_measure(run: Run) -> str:
-    s = _json(run, "sparsity.json")
-    return f"MLP zeros {_pct(s.get('mean_zero_fraction'))}, loss {s.get('loss', float('nan')):.3f}" if s else ""
-
-
-def _sum_profile(run: Run) -> str:
-    p = _json(run, "profile.json")
-    return f"{p.get('tokens', '?')} tokens profiled" if p else ""
-
-
-def _sum_predictors(run: Run) -> str:
-    p = _json(run, "predictors.json")
-    h = p.get("heldout", {})
-    if not h:
-        return ""
-    return (f"recall {h.get('recall', float('nan')):.3f}, predicted active {_pct(h.get('predicted_fraction'))} "
-            f"vs true {_pct(h.get('true_fraction'))}, {_pct(p.get('params_fraction'))} of MLP params")
-
-
-def _sum_predictors_eval(run: Run) -> str:
-    e = _json(run, "predictors.json").get("eval", {})
-    if not e:
-        return ""
-    return (f"ppl dense {e['dense']['perplexity']:.3f} / oracle {e['oracle']['perplexity']:.3f} / predicted "
-            f"{e['predicted']['perplexity']:.3f} ({100 * e['predicted_vs_oracle_ppl']:+.2f}%)")
-
-
-def _sum_plan(run: Run) -> str:
-    parts = []
-    for path in sorted(run.ckpt.glob("plan*.json")):
-        plan = json.loads(path.read_text())
-        parts.append(f"{plan.get('fast_memory')}: hit {_pct(plan.get('expected_hit_rate'))}")
-    return ", ".join(parts)
-
-
-def _sum_eval(run: Run) -> str:
-    values = _json(run, "eval.json").get("average", {}).get("values", {})
-    return "mean accuracy " + ", ".join(f"{name} {v:.3f}" for name, v in values.items()) if values else ""
-
-
-def _sum_scorecard(run: Run) -> str:
-    modes = _json(run, "scorecard.json").get("speed", {}).get("modes", {})
-    parts = [f"{m} {d['decode_tokens_per_second']:.1f} tok/s" for m, d in modes.items()]
-    speedup = modes.get("sparse", {}).get("decode_speedup_vs_dense")
-    return "decode " + ", ".join(parts) + (f" (sparse {speedup:.2f}x dense)" if speedup else "") if parts else ""
+def _no_summary(ckpt: Path) -> str:
+    return ""
 
 
 STAGES = [
-    Stage("convert", _convert, lambda run: [], lambda run, c: [run.converted / "model.safetensors"], lambda run: ""),
-    Stage("train", _train, lambda run: [run.converted / "model.safetensors"], lambda run, c: [run.ckpt / "model.safetensors"], lambda run: ""),
-    Stage("measure", _ckpt_verb("measure"), _files("model.safetensors"), lambda run, c: [run.ckpt / "sparsity.json"], _sum_measure),
-    Stage("profile", _ckpt_verb("profile"), _files("model.safetensors"), lambda run, c: [run.ckpt / "profile.safetensors"], _sum_profile),
+    Stage("convert", _convert, lambda run: [], lambda run, c: [run.converted / "model.safetensors"], _no_summary),
+    Stage("train", _train, lambda run: [run.converted / "model.safetensors"], lambda run, c: [run.ckpt / "model.safetensors"], _no_summary),
+    Stage("measure", _ckpt_verb("measure"), _files("model.safetensors"), lambda run, c: [run.ckpt / "sparsity.json"], summaries.measure),
+    Stage("profile", _ckpt_verb("profile"), _files("model.safetensors"), lambda run, c: [run.ckpt / "profile.safetensors"], summaries.profile),
     Stage("predictors", _ckpt_verb("predictors", "train"), _files("model.safetensors"),
-          lambda run, c: [run.ckpt / "predictors.safetensors"], _sum_predictors),
+          lambda run, c: [run.ckpt / "predictors.safetensors"], summaries.predictors),
     Stage("predictors_eval", _ckpt_verb("predictors", "eval"), _files("model.safetensors", "predictors.safetensors"),
-          lambda run, c: [run.ckpt / "predictors.json"], _sum_predictors_eval),
-    Stage("plan", _plan, _files("profile.safetensors", "predictors.safetensors"), _plan_outputs, _sum_plan),
-    Stage("eval", _ckpt_verb("eval"), _files("model.safetensors", "predictors.safetensors"), lambda run, c: [run.ckpt / "eval.json"], _sum_eval),
+          lambda run, c: [run.ckpt / "predictors.json"], summaries.predictors_eval),
+    Stage("plan", _plan, _files("profile.safetensors", "predictors.safetensors"), _plan_outputs, summaries.plan),
+    Stage("eval", _ckpt_verb("eval"), _files("model.safetensors", "predictors.safetensors"), lambda run, c: [run.ckpt / "eval.json"], summaries.accuracy),
     Stage("scorecard", _ckpt_verb("scorecard"), _files("model.safetensors", "predictors.safetensors", "eval.json", "sparsity.json"),
-          lambda run, c: [run.ckpt / "scorecard.json"], _sum_scorecard),
-    Stage("export", _export, _files("model.safetensors", "predictors.safetensors", "scorecard.json"), lambda run, c: [], lambda run: ""),
+          lambda run, c: [run.ckpt / "scorecard.json"], summaries.scorecard),
+    Stage("export", _export, _files("model.safetensors", "predictors.safetensors", "scorecard.json"), lambda run, c: [], _no_summary),
 ]
 STAGE_NAMES = [s.name for s in STAGES]
 
@@ -245,7 +194,22 @@ def stage_arguments(stages: dict) -> dict[str, list[str] | None]:
             raise SparseforgeError(f"recipe stages.{name} must be a string of arguments, a list of such strings or false, got {value!r}")
         if name in ("convert", "train", "export") and out[name] is not None and len(out[name]) != 1:
             raise SparseforgeError(f"recipe stages.{name} runs one command; give one string of arguments, got {len(out[name])}")
+        for text in out[name] or []:
+            try:
+                shlex.split(text)
+            except ValueError as e:
+                raise SparseforgeError(f"recipe stages.{name}: cannot split {text!r} into arguments ({e}); close its quotes") from None
     return out
+
+
+def _parse(parser, stage: str, argv: list[str]):
+    """A stage command's options, parsed as the `sparseforge` CLI would; a bad option is a one-line error naming it."""
+    verb = " ".join(argv[:2] if argv[0] == "predictors" else argv[:1])
+    try:
+        return parser.parse_args(argv)
+    except SparseforgeError as e:
+        raise SparseforgeError(f"recipe stages.{stage}: {e} (in `sparseforge {shlex.join(argv)}`); fix the option, see "
+                               f"`sparseforge {verb} --help`") from None
 
 
 # ---------------------------------------------------------------- run record
@@ -311,7 +275,7 @@ def run_pipeline(recipe_path: str, overrides: list[str] = (), only: str | None =
                  dry_run: bool = False, progress: bool = True) -> tuple[list[dict], Path]:
     """Run (or with dry_run, list) the pipeline's stages; returns one row per stage for the summary table and
     the checkpoint directory."""
-    from sparseforge.cli import build_parser, run_stage
+    from sparseforge.cli import build_parser, quiet_libraries
     from sparseforge.train.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, list(overrides))
@@ -319,48 +283,52 @@ def run_pipeline(recipe_path: str, overrides: list[str] = (), only: str | None =
     arguments = stage_arguments(recipe.stages)
     chosen, forced = _selected(only, redo)
     record = Record(run.dir / "pipeline.json")
-    parser = build_parser()
-    rows = []
-    printer = _say
+    parser = build_parser(raise_errors=True)
     todo = [s for s in STAGES if s.name in chosen]
+    skip = {s.name: "left out" if arguments[s.name] is None else "not needed" for s in todo
+            if arguments[s.name] is None or (s.name == "convert" and run.starts_sparse)}
+    cmds = {s.name: s.commands(run, arguments[s.name]) for s in todo if s.name not in skip}
+    for name, argvs in cmds.items():  # every stage's options are checked before the first stage runs
+        for argv in argvs:
+            _parse(parser, name, argv)
+    quiet_libraries()
+    rows = []
     for i, stage in enumerate(todo, 1):
         tag = f"[{i}/{len(todo)}] {stage.name}"
-        if arguments[stage.name] is None:
-            rows.append({"stage": stage.name, "status": "left out", "seconds": None, "result": ""})
-            printer(f"{tag}: left out by the recipe")
+        if stage.name in skip:
+            rows.append({"stage": stage.name, "status": skip[stage.name], "seconds": None, "result": ""})
+            _say(f"{tag}: left out by the recipe" if skip[stage.name] == "left out" else
+                 f"{tag}: not needed, {run.recipe.model} is already a sparse checkpoint")
             continue
-        if stage.name == "convert" and run.starts_sparse:
-            rows.append({"stage": stage.name, "status": "not needed", "seconds": None, "result": ""})
-            printer(f"{tag}: not needed, {run.recipe.model} is already a sparse checkpoint")
-            continue
-        cmds = stage.commands(run, arguments[stage.name])
         settings = run.training_settings() if stage.name == "train" else ""
-        inputs, outputs = stage.inputs(run), stage.outputs(run, cmds)
-        shown = " && ".join("sparseforge " + shlex.join(c) for c in cmds)
-        if stage.name not in forced and record.up_to_date(stage.name, cmds, settings, inputs, outputs):
-            rows.append({"stage": stage.name, "status": "up to date", "seconds": record.stages[stage.name]["seconds"], "result": stage.summary(run)})
-            printer(f"{tag}: up to date, skipped")
+        inputs, outputs = stage.inputs(run), stage.outputs(run, cmds[stage.name])
+        shown = " && ".join("sparseforge " + shlex.join(c) for c in cmds[stage.name])
+        if stage.name not in forced and record.up_to_date(stage.name, cmds[stage.name], settings, inputs, outputs):
+            rows.append({"stage": stage.name, "status": "up to date", "seconds": record.stages[stage.name]["seconds"], "result": stage.summary(run.ckpt)})
+            _say(f"{tag}: up to date, skipped")
             continue
         if dry_run:
             rows.append({"stage": stage.name, "status": "would run", "seconds": None, "result": shown})
-            printer(f"{tag}: would run {shown}")
+            _say(f"{tag}: would run {shown}")
             continue
         missing = [p for p in inputs if not p.exists()]
         if missing:
             raise SparseforgeError(f"stage {stage.name} needs {missing[0]}, which an earlier stage writes; run without --only, or run that stage first")
-        printer(f"{tag}: {shown}")
+        _say(f"{tag}: {shown}")
         record.forget(STAGE_NAMES[STAGE_NAMES.index(stage.name):])  # this stage and later ones are no longer finished
         start = time.perf_counter()
-        for argv in cmds:
-            run_stage(parser, _resuming(run, stage.name, argv), stage.name)
+        for argv in cmds[stage.name]:
+            options = _parse(parser, stage.name, argv + (["--resume"] if _resuming(run, stage.name) else []))
+            if options.func(options):  # the verb's function, with the options the command line would give it
+                raise SparseforgeError(f"stage {stage.name}: `sparseforge {shlex.join(argv)}` failed (see its output above)")
         gc.collect()  # stages share one process: free one stage's models before the next loads its own
         seconds = time.perf_counter() - start
-        missing = [p for p in stage.outputs(run, cmds) if not p.exists()]
+        missing = [p for p in stage.outputs(run, cmds[stage.name]) if not p.exists()]
         if missing:
             raise SparseforgeError(f"stage {stage.name} finished without writing {missing[0]} (see its output above)")
-        record.finish(stage.name, cmds, settings, stage.inputs(run), seconds)
-        rows.append({"stage": stage.name, "status": "ran", "seconds": round(seconds, 1), "result": stage.summary(run)})
-        printer(f"{tag}: done in {seconds:.0f} s" + (f" ({rows[-1]['result']})" if rows[-1]["result"] else ""))
+        record.finish(stage.name, cmds[stage.name], settings, stage.inputs(run), seconds)
+        rows.append({"stage": stage.name, "status": "ran", "seconds": round(seconds, 1), "result": stage.summary(run.ckpt)})
+        _say(f"{tag}: done in {seconds:.0f} s" + (f" ({rows[-1]['result']})" if rows[-1]["result"] else ""))
     return rows, run.ckpt
 
 

@@ -130,3 +130,17 @@ def _tokenizer(source: Source):
 
     # a sparse checkpoint's tokenizer needs none of its custom code
     return AutoTokenizer.from_pretrained(source.path, **_load_kwargs(source), **({"trust_remote_code": False} if source.kind == "sparse" else {}))
+
+
+def load_for_stream(path: str, stream, sparse_for: str | None = None):
+    """(model, tokenizer, source) of `path` in float32 on the stream's device, after checking the stream's numeric
+    settings (before the slow load). stream: a sparseforge.data.TextStream. sparse_for: the verb that needs a sparse
+    checkpoint; a dense model is then an error that names the conversion."""
+    from sparseforge.families import is_sparse
+
+    stream.check()
+    model, tokenizer, source = load_model(path, dtype="float32", device=stream.device)
+    if sparse_for and not is_sparse(model.config):
+        raise SparseforgeError(f"{path} is not a sparse checkpoint, which {sparse_for} needs; convert it first: "
+                               f"sparseforge convert {path} --activation drelu --out DIR")  # fmt: skip
+    return model, tokenizer, source

@@ -1,9 +1,6 @@
-"""CLI verbs of the sparsify stage: `convert`, `measure` and `threshold`."""
+"""CLI verbs of the sparsify stage: `convert`, `measure` and `threshold` (the typed functions are in verbs.py)."""
 
-import time
-from pathlib import Path
-
-from sparseforge.cli_options import HelpFormatter, add_text_stream_options, load_for_stream, text_stream
+from sparseforge.cli_options import HelpFormatter, add_text_stream_options, stream_options
 
 ACTIVATION_HELP = (
     "drelu: relu(gate)*relu(up); relu: relu(gate)*up; silu: unchanged SwiGLU (parity); "
@@ -60,76 +57,21 @@ def register(subparsers) -> None:
 
 
 def convert_command(args) -> int:
-    from sparseforge.checkpoint import check_output, save_sparse
-    from sparseforge.errors import SparseforgeError
-    from sparseforge.sources import load_model
-    from sparseforge.sparsify.convert import convert_model, model_card, parse_thresholds
-    from sparseforge.sparsify.hf_code.modeling_sparseforge import ACTIVATIONS
+    from sparseforge.sparsify.verbs import convert
 
-    start = time.perf_counter()
-    if args.activation not in ACTIVATIONS:  # before the (slow) model load
-        raise SparseforgeError(f"unknown --activation {args.activation!r}; choose one of {', '.join(ACTIVATIONS)}")
-    check_output(args.out, args.force)
-    model, tokenizer, source = load_model(args.model, dtype=args.dtype)
-    thresholds = parse_thresholds(args.threshold, args.activation, model.config.num_hidden_layers)
-    sparse = convert_model(model, args.activation, thresholds, source=args.model)
-    save_sparse(sparse, tokenizer, args.out, force=args.force, card=model_card(args.model, sparse.config))
-    params = sum(p.numel() for p in sparse.parameters())
-    print(
-        f"wrote {args.out}: {sparse.config.sparsity['base_model_type']} with {args.activation} MLPs, "
-        f"{sparse.config.num_hidden_layers} layers, {params / 1e6:.1f}M parameters, from {source.describe()} "
-        f"in {time.perf_counter() - start:.0f}s"
-    )
+    convert(args.model, args.out, args.activation, args.threshold, args.dtype, args.force)
     return 0
 
 
 def measure_command(args) -> int:
-    from sparseforge.checkpoint import write_artifact
-    from sparseforge.errors import SparseforgeError
-    from sparseforge.families import is_sparse
-    from sparseforge.sparsify.convert import convert_model, parse_thresholds
-    from sparseforge.sparsify.measure import SPARSITY_FILE_VERSION, format_table, measure_sparsity
+    from sparseforge.sparsify.verbs import measure
 
-    model, tokenizer, source = load_for_stream(args, args.model)
-    sparse_ckpt = is_sparse(model.config)
-    if sparse_ckpt and (args.activation or args.threshold):
-        raise SparseforgeError(f"{args.model} is already a sparse checkpoint ({model.config.sparsity['activation']}); drop --activation/--threshold")
-    if not sparse_ckpt:
-        activation = args.activation or "silu"
-        thresholds = parse_thresholds(args.threshold, activation, model.config.num_hidden_layers)
-        model = convert_model(model, activation, thresholds)
-    windows, patterns = text_stream(args, tokenizer)
-    report = measure_sparsity(model, windows, args.tokens, args.batch_size, progress=not args.no_progress)
-    if report["tokens"] < args.tokens:
-        print(f"note: the data held only {report['tokens']} tokens (asked for {args.tokens})")
-    print(f"{source.describe()} ({model.config.sparsity['activation']}), data: {' '.join(patterns)}")
-    print(format_table(report))
-    if sparse_ckpt:
-        record = {"activation": model.config.sparsity["activation"], "data": patterns, "seq_len": args.seq_len, **report}
-        path = write_artifact(source.path, "sparsity", record, SPARSITY_FILE_VERSION)
-        print(f"wrote {path}")
+    measure(args.model, stream_options(args), args.activation, args.threshold)
     return 0
 
 
 def threshold_command(args) -> int:
-    from sparseforge.checkpoint import carry_source, check_output, save_sparse, write_artifact
-    from sparseforge.errors import SparseforgeError
-    from sparseforge.sparsify.convert import model_card
-    from sparseforge.sparsify.threshold import THRESHOLDS_FILE_VERSION, apply_thresholds, calibrate_thresholds, check_target_zeros, format_table
+    from sparseforge.sparsify.verbs import threshold
 
-    check_target_zeros(args.target_zeros)  # before the (slow) model load
-    check_output(args.out, args.force)
-    if Path(args.out).resolve() == Path(args.ckpt).resolve():
-        raise SparseforgeError(f"--out {args.out!r} is the input checkpoint; write the thresholded model to a new directory")
-    start = time.perf_counter()
-    model, tokenizer, _ = load_for_stream(args, args.ckpt, sparse_for="`sparseforge threshold`")
-    windows, patterns = text_stream(args, tokenizer)
-    report = calibrate_thresholds(model, windows, args.tokens, args.target_zeros, args.batch_size, progress=not args.no_progress)
-    apply_thresholds(model, report["thresholds"])
-    original = carry_source(model.config, args.ckpt)  # eval's "original" row stays the dense model
-    save_sparse(model, tokenizer, args.out, force=args.force, card=model_card(original, model.config) if original else None)
-    write_artifact(args.out, "thresholds", {"source": args.ckpt, "data": patterns, "seq_len": args.seq_len, **report}, THRESHOLDS_FILE_VERSION)
-    print(format_table(report))
-    print(f"wrote {args.out} ({report['tokens']} tokens, {time.perf_counter() - start:.0f}s); next: `sparseforge measure {args.out}` for the real "
-          "sparsity and loss, then continue pretraining it (docs/training.md) before profiling")
+    threshold(args.ckpt, args.out, args.target_zeros, stream_options(args), args.force)
     return 0

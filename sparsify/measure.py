@@ -1,12 +1,12 @@
 """Sparsity measurement: per layer (per expert for MoE), the fraction of MLP intermediate activations
 `act(gate, up)` that are exactly zero, over real text.
 
-Counts come from forward hooks on each layer's `GatedActivation`, so they are what the model computes,
+Counts come from forward hooks on each layer's activation (sparseforge.hooks), so they are what the model computes,
 not an estimate. Written to `<ckpt>/sparsity.json`.
 """
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import math
 
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from sparseforge.families import mlp_activations, num_experts
+from sparseforge.hooks import MLPCall, MLPHooks, hook_mlps
 
 SPARSITY_FILE_VERSION = 1
 
@@ -25,29 +26,22 @@ class ZeroCounter:
 
     zeros: torch.Tensor
     total: torch.Tensor
-    handles: list = field(default_factory=list)
+    hooks: MLPHooks | None = None
 
     @classmethod
     def attach(cls, model) -> "ZeroCounter":
-        acts = mlp_activations(model)
-        experts = num_experts(model.config)
-        counter = cls(torch.zeros(len(acts), experts, dtype=torch.float64), torch.zeros(len(acts), experts, dtype=torch.float64))
-        for i, act in enumerate(acts):
-            counter.handles.append(act.register_forward_hook(counter._hook(i), with_kwargs=True))
+        shape = (len(mlp_activations(model)), num_experts(model.config))
+        counter = cls(torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64))
+        counter.hooks = hook_mlps(model, counter._count)
         return counter
 
-    def _hook(self, layer: int):
-        def hook(module, args, kwargs, h):  # h: [..., I]
-            expert = kwargs.get("expert") or 0
-            self.zeros[layer, expert] += (h == 0).sum().item()
-            self.total[layer, expert] += h.numel()
-
-        return hook
+    def _count(self, call: MLPCall) -> None:
+        self.zeros[call.layer, call.expert] += (call.h == 0).sum().item()
+        self.total[call.layer, call.expert] += call.h.numel()
 
     def detach(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
+        if self.hooks is not None:
+            self.hooks.remove()
 
     def fractions(self) -> torch.Tensor:
         """[L, E] zero fraction (nan where an expert saw no token)."""

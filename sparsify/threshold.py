@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from sparseforge.errors import SparseforgeError
 from sparseforge.families import mlp_activations
+from sparseforge.hooks import hook_mlps
 from sparseforge.sparsify.measure import batches, take_tokens
 
 THRESHOLDS_FILE_VERSION = 1
@@ -82,10 +83,7 @@ def calibrate_thresholds(model, windows: Iterable[list[int]], tokens: int, targe
     saved = [a.threshold for a in acts]
     store = _LargestPositive(len(acts), 1.0 - target, tokens)
 
-    def hook(layer):
-        return lambda module, args, h: store.add(layer, h)
-
-    handles = [a.register_forward_hook(hook(i)) for i, a in enumerate(acts)]
+    hooks = hook_mlps(model, lambda call: store.add(call.layer, call.h))
     device = next(model.parameters()).device
     seen = 0
     try:
@@ -98,8 +96,7 @@ def calibrate_thresholds(model, windows: Iterable[list[int]], tokens: int, targe
                 store.prune(seen)
                 bar.update(len(batch) * len(batch[0]))
     finally:
-        for handle in handles:
-            handle.remove()
+        hooks.remove()
         for a, t in zip(acts, saved):
             a.threshold = t
     if seen == 0:

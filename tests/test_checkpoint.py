@@ -7,7 +7,7 @@ import torch
 from tiny import FAMILY_CLASSES, tiny_model, tiny_tokenizer
 
 from sparseforge.checkpoint import load_sparse, read_artifact, save_sparse, write_artifact
-from sparseforge.clean_load import clean_load_logits
+from sparseforge.export.clean_load import clean_load_logits
 from sparseforge.errors import SparseforgeError
 from sparseforge.sources import load_model
 from sparseforge.sparsify.convert import convert_model, model_card

@@ -91,7 +91,7 @@ def test_pipeline_end_to_end_skip_and_resume(workspace, tmp_path, one_thread, ca
     assert "| plan | ran |" in out and "| profile | up to date |" in out
 
 
-def test_recipe_stage_errors(workspace, tmp_path):
+def test_recipe_stage_errors(workspace, tmp_path, capsys):
     with pytest.raises(SparseforgeError, match=r"unknown stage\(s\) \['profiel'\]"):
         stage_arguments({"profiel": "--tokens 5"})
     with pytest.raises(SparseforgeError, match="stages.train runs one command"):
@@ -104,3 +104,12 @@ def test_recipe_stage_errors(workspace, tmp_path):
     with pytest.raises(SparseforgeError, match="stage profile needs .*model.safetensors"):
         run_pipeline(str(recipe), only="profile", progress=False)
     assert main(["run", str(recipe), "--set", "stages.measure=--tokens 0", "--only", "convert,train,measure", "--no-progress"]) == 2
+    # a bad option of a later stage stops the run before the first stage starts, in one line naming it
+    capsys.readouterr()
+    with pytest.raises(SparseforgeError, match=r"recipe stages.profile: unrecognized arguments: --tokns 5 .*sparseforge profile --help"):
+        run_pipeline(str(recipe), overrides=["stages.profile=--tokns 5"], redo="convert", progress=False)
+    with pytest.raises(SparseforgeError, match=r"recipe stages.measure: argument --tokens: invalid int value: 'many'"):
+        run_pipeline(str(recipe), overrides=["stages.measure=--tokens many"], progress=False)
+    with pytest.raises(SparseforgeError, match=r"recipe stages.eval: cannot split .* close its quotes"):
+        stage_arguments({"eval": "--tasks 'piqa"})
+    assert capsys.readouterr().out == ""  # nothing ran: no stage printed its command

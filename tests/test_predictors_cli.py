@@ -9,7 +9,7 @@ from tiny import tiny_model, tiny_tokenizer
 
 from sparseforge.checkpoint import save_sparse
 from sparseforge.cli import main
-from sparseforge.predictors.powerinfer import fold_thresholds
+from sparseforge.export.powerinfer import fold_thresholds
 from sparseforge.predictors.store import load_predictors
 from sparseforge.sparsify.convert import convert_model
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparseforge.cli import main
-from sparseforge.clean_load import clean_load_logits
+from sparseforge.export.clean_load import clean_load_logits
 from sparseforge.sources import load_model
 from sparseforge.sparsify.convert import convert_model
 

@@ -13,7 +13,7 @@ from sparseforge.cli import main
 from sparseforge.errors import SparseforgeError
 from sparseforge.families import mlp_activations
 from sparseforge.pipeline import run_pipeline
-from sparseforge.predictors.powerinfer import _check_config
+from sparseforge.export.powerinfer import _check_config
 from sparseforge.runtime import kernels
 from sparseforge.runtime.engine import Engine
 from sparseforge.sparsify.convert import convert_model

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from sparseforge.checkpoint import atomic_directory, check_output
+from sparseforge.atomic import atomic_directory
+from sparseforge.checkpoint import check_output
 from sparseforge.errors import SparseforgeError
 
 SUPPORTED = ("llama", "mistral")  # attention without biases or q/k norms: what bamboo computes

@@ -11,9 +11,9 @@ from tiny import tiny_model, tiny_tokenizer
 
 from sparseforge.checkpoint import save_sparse
 from sparseforge.cli import main
-from sparseforge.eval.card import build_card
+from sparseforge.export.card import build_card
 from sparseforge.eval.lm_eval_plugin import pth_line
-from sparseforge.eval.push import upload_files
+from sparseforge.export.push import upload_files
 from sparseforge.sparsify.convert import convert_model, model_card
 
 
@@ -23,6 +23,9 @@ def ckpt(tmp_path_factory):
     model = convert_model(tiny_model("llama", seed=4), "drelu")
     save_sparse(model, tiny_tokenizer(), path, card=model_card("tiny-dense", model.config))
     (path / ".config.json.tmp123").write_text("partial write")  # atomic-write leftovers never go up
+    (path / "neurons").mkdir()
+    (path / "neurons" / "bundles-float32.bin").write_bytes(b"\0" * 1000)  # the runtime's store: rebuilt locally
+    (path / "optimizer.bin").write_bytes(b"\0" * 10)  # a training state
     return path
 
 
@@ -40,6 +43,10 @@ def test_dry_run_checks_the_load_and_lists_files(ckpt, monkeypatch, capsys):
     assert "clean load ok: SparseLlamaForCausalLM" in out and "dry run: nothing uploaded" in out
     size = (ckpt / "model.safetensors").stat().st_size
     assert f"{size:,d}  model.safetensors" in out and ".tmp123" not in out and "me/tiny-drelu@main" in out
+    listed = [line.split()[-1] for line in out.splitlines() if line.strip().split(" ")[0].replace(",", "").isdigit()]
+    assert "config.json" in listed and "tokenizer.json" in listed and "modeling_sparseforge.py" in listed
+    assert not any(name.startswith(("neurons", "optimizer")) for name in listed)
+    assert "not uploaded (not needed by users of the model): " in out and "neurons/ (1,000 bytes)" in out and "optimizer.bin" in out
     assert (ckpt / "README.md").read_text() == before  # a dry run writes nothing
 
 
@@ -58,7 +65,9 @@ def test_bad_repo_id(ckpt, capsys):
 
 
 def test_card_pins_revision_and_shows_results(ckpt, tmp_path):
-    assert [name for name, _ in upload_files(ckpt)] == sorted(n.name for n in ckpt.iterdir() if not n.name.startswith("."))
+    up, local = upload_files(ckpt)
+    assert [name for name, _ in local] == ["neurons/", "optimizer.bin"]
+    assert [name for name, _ in up] == sorted(n.name for n in ckpt.iterdir() if not n.name.startswith(".") and n.name not in ("neurons", "optimizer.bin"))
     card = build_card(ckpt, "me/tiny-drelu", "v1")
     assert 'from_pretrained("me/tiny-drelu", revision="v1", trust_remote_code=True)' in card
     assert "sparseforge generate ckpt" in card and "# drelu conversion of `tiny-dense`" in card

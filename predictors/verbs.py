@@ -1,0 +1,157 @@
+"""The predictors stage's verbs as typed functions: `profile`, `predictors train|calibrate|eval`. `cli.py` parses the
+options into them; `sparseforge run` calls them. Each prints what it did and writes its results into the checkpoint."""
+
+import time
+from dataclasses import asdict
+
+from sparseforge.data import TextStream
+from sparseforge.errors import SparseforgeError, check_positive
+from sparseforge.predictors.fit import FitConfig
+
+
+def _setup(ckpt: str, stream: TextStream, verb: str):
+    """The sparse model (float32 on the stream's device), its token-window stream and its source."""
+    from sparseforge.sources import load_for_stream
+
+    model, tokenizer, source = load_for_stream(ckpt, stream, sparse_for=f"`sparseforge {verb}`")
+    if model.config.sparsity["activation"] == "silu":
+        raise SparseforgeError(f"{ckpt} uses silu, which has no exact zeros to predict; convert with --activation drelu")
+    return model, stream.windows(tokenizer), source
+
+
+def check_recall(target: float, margin: float) -> None:
+    if not 0 < target < 1:
+        raise SparseforgeError(f"--target-recall must be in (0, 1), got {target}")
+    if not 0 <= margin < 1 - target:
+        raise SparseforgeError(f"--recall-margin must be in [0, 1 - --target-recall), got {margin}")
+
+
+def profile(ckpt: str, stream: TextStream = TextStream(tokens=65536), coact_tokens: int = 4096, block_size: int = 32) -> dict:
+    """Per-neuron firing counts and a co-activation neuron order over `stream` -> CKPT/profile.safetensors + .json."""
+    from sparseforge.predictors.profile import format_profile, profile_model, save_profile
+
+    check_positive(coact_tokens=coact_tokens, block_size=block_size)
+    start = time.perf_counter()
+    model, windows, source = _setup(ckpt, stream, "profile")
+    tensors, report = profile_model(model, windows, stream.tokens, stream.batch_size, coact_tokens, block_size, stream.progress)
+    report = {"activation": model.config.sparsity["activation"], "data": stream.patterns, "seq_len": stream.seq_len, **report}
+    save_profile(source.path, tensors, report)
+    print(format_profile(report))
+    print(f"wrote {source.path}/profile.safetensors and profile.json in {time.perf_counter() - start:.0f}s")
+    return report
+
+
+def train_predictors(ckpt: str, stream: TextStream = TextStream(tokens=65536), fit: FitConfig | None = None,
+                     heldout_tokens: int = 16384, cap: int | None = None) -> dict:
+    """Fit per-layer predictors on the first `stream.tokens` tokens (at most `cap` rows per unit), calibrate them on the
+    next `heldout_tokens` -> CKPT/predictors.safetensors + .json. fit: None for FitConfig's defaults. Returns the report."""
+    from sparseforge.families import num_experts
+    from sparseforge.predictors.calibrate import rates, total_counts
+    from sparseforge.predictors.collect import collect_pairs
+    from sparseforge.predictors.fit import calibration_recall, fit_all
+    from sparseforge.predictors.store import save_predictors
+
+    fit = fit or FitConfig()
+    check_positive(heldout_tokens=heldout_tokens, cap=cap, budget=fit.budget, lr=fit.lr, train_batch_size=fit.batch_size,
+                    max_epochs=fit.max_epochs, patience=fit.patience, pilot_rank=fit.pilot_rank, pilot_epochs=fit.pilot_epochs,
+                    pilot_rows=fit.pilot_rows, min_rank=fit.min_rank)  # fmt: skip
+    check_recall(fit.target_recall, fit.recall_margin)
+    start = time.perf_counter()
+    model, windows, source = _setup(ckpt, stream, "predictors train")
+    sets = collect_pairs(model, windows, stream.tokens, heldout_tokens, cap or stream.tokens, heldout_tokens, stream.batch_size, stream.progress)
+    if sets.heldout_tokens == 0:
+        raise SparseforgeError(f"the data ran out before any held-out token ({sets.train_tokens} training tokens); pass more --data or lower --tokens")
+    h, width = model.config.hidden_size, model.config.intermediate_size
+    fitted = fit_all(sets, 3 * h * width, fit, progress=stream.progress)
+    mlp_params = 3 * h * width * len(fitted)
+    pred_params = sum(u.stats["params"] for u in fitted)
+    totals = total_counts([u.stats.get("heldout_counts", {}) for u in fitted])
+    report = {
+        "activation": model.config.sparsity["activation"], "data": stream.patterns, "text_field": stream.text_field, "seq_len": stream.seq_len,
+        "train_tokens": sets.train_tokens, "heldout_tokens": sets.heldout_tokens,
+        "num_experts": num_experts(model.config), "hidden_size": h, "intermediate_size": width,
+        "target_recall": fit.target_recall, "calibration_recall": calibration_recall(fit.target_recall, fit.recall_margin), "budget": fit.budget,
+        "mlp_params": mlp_params, "predictor_params": pred_params, "params_fraction": pred_params / mlp_params,
+        "fit": asdict(fit), "heldout": rates(totals), "eval": None,
+    }  # fmt: skip
+    save_predictors(source.path, fitted, report)
+    print(f"{'unit':>6}  {'rank':>4}  {'recall':>6}  {'precision':>9}  {'pred. active %':>14}  {'true active %':>13}  epochs")
+    for u in fitted:
+        s, name = u.stats.get("heldout"), f"{u.layer}" + (f".{u.expert}" if report["num_experts"] > 1 else "")
+        if s:
+            print(f"{name:>6}  {u.stats['rank']:>4}  {s['recall']:>6.4f}  {s['precision']:>9.4f}  {100 * s['predicted_fraction']:>14.2f}  {100 * s['true_fraction']:>13.2f}  {u.stats['epochs']}")
+    o = report["heldout"]
+    print(f"{'all':>6}  {'':>4}  {o['recall']:>6.4f}  {o['precision']:>9.4f}  {100 * o['predicted_fraction']:>14.2f}  {100 * o['true_fraction']:>13.2f}")
+    print(f"predictor parameters {pred_params} = {100 * report['params_fraction']:.2f}% of MLP parameters; held-out {sets.heldout_tokens} tokens")
+    print(f"wrote {source.path}/predictors.safetensors and predictors.json in {time.perf_counter() - start:.0f}s")
+    return report
+
+
+def calibrate(ckpt: str, target_recall: float, recall_margin: float | None = None, batch_size: int = 4, device: str = "cpu",
+              threads: int | None = None, progress: bool = True) -> dict:
+    """Re-choose the thresholds of trained predictors for `target_recall` on the held-out tokens training used (same data,
+    same windows), without refitting. recall_margin: None keeps training's. Updates CKPT/predictors.json (its eval cleared)."""
+    from sparseforge.checkpoint import write_artifact
+    from sparseforge.predictors.calibrate import rates, total_counts
+    from sparseforge.predictors.collect import collect_pairs, skip_tokens
+    from sparseforge.predictors.fit import calibrate_unit, calibration_recall
+    from sparseforge.predictors.store import PREDICTORS_FORMAT_VERSION, load_predictors
+
+    predictors = load_predictors(ckpt)
+    report = predictors.report
+    margin = report["fit"]["recall_margin"] if recall_margin is None else recall_margin
+    check_recall(target_recall, margin)
+    start = time.perf_counter()
+    held = report["heldout_tokens"]
+    stream = TextStream(tuple(report["data"]), report.get("text_field", "text"), held, report["seq_len"], batch_size, device, threads, progress)
+    model, windows, source = _setup(ckpt, stream, "predictors calibrate")
+    sets = collect_pairs(model, skip_tokens(windows, report["train_tokens"]), 0, held, 1, held, batch_size, progress)
+    if sets.heldout_tokens < held:
+        raise SparseforgeError(f"the data gave {sets.heldout_tokens} of the {held} held-out tokens training used; is --data the same as in training ({report['data']})?")
+    target = calibration_recall(target_recall, margin)
+    units = []
+    for unit in report["units"]:
+        model_u = predictors.predictors[(unit["layer"], unit["expert"])]
+        val = sets.heldout[unit["layer"]][unit["expert"]]
+        if model_u is None or val.size == 0:
+            units.append(unit)
+            continue
+        threshold, counts = calibrate_unit(model_u, val, target)
+        units.append({**unit, "threshold": threshold, "heldout": rates(counts), "heldout_counts": counts})
+    totals = total_counts([u.get("heldout_counts", {}) for u in units])
+    before = report["heldout"]
+    record = {k: v for k, v in report.items() if k != "format_version"}
+    record.update(units=units, target_recall=target_recall, calibration_recall=target, heldout=rates(totals), eval=None)
+    record["fit"] = {**report["fit"], "target_recall": target_recall, "recall_margin": margin}
+    write_artifact(source.path, "predictors", record, PREDICTORS_FORMAT_VERSION)
+    after = record["heldout"]
+    print(f"held-out recall {before['recall']:.4f} -> {after['recall']:.4f}, predicted active {100 * before['predicted_fraction']:.2f}% -> "
+          f"{100 * after['predicted_fraction']:.2f}% (true {100 * after['true_fraction']:.2f}%)")  # fmt: skip
+    print(f"updated {source.path}/predictors.json in {time.perf_counter() - start:.0f}s; next: sparseforge predictors eval {source.path}")
+    return record
+
+
+def evaluate(ckpt: str, stream: TextStream = TextStream(), skip_tokens: int | None = None) -> dict:
+    """Perplexity dense / oracle mask / predicted mask and the predictors' recall on fresh text: the stream after
+    `skip_tokens` tokens (None: those predictors train used, plus two windows). Adds `eval` to CKPT/predictors.json."""
+    from sparseforge.checkpoint import write_artifact
+    from sparseforge.predictors import collect
+    from sparseforge.predictors.mask import evaluate_masks, format_evaluation
+    from sparseforge.predictors.store import PREDICTORS_FORMAT_VERSION, load_predictors
+    from sparseforge.sparsify.measure import take_tokens
+
+    if skip_tokens is not None and skip_tokens < 0:
+        raise SparseforgeError(f"--skip-tokens must be >= 0, got {skip_tokens}")
+    start = time.perf_counter()
+    model, windows, source = _setup(ckpt, stream, "predictors eval")
+    predictors = load_predictors(source.path).to(stream.device)
+    report = predictors.report
+    skip = skip_tokens if skip_tokens is not None else report["train_tokens"] + report["heldout_tokens"] + 2 * stream.seq_len
+    held = list(take_tokens(collect.skip_tokens(windows, skip), stream.tokens))
+    result = evaluate_masks(model, held, predictors, stream.batch_size, stream.progress)
+    print(format_evaluation(result))
+    record = {k: v for k, v in report.items() if k != "format_version"}
+    record["eval"] = {"data": stream.patterns, "seq_len": stream.seq_len, "skip_tokens": skip, **result}
+    write_artifact(source.path, "predictors", record, PREDICTORS_FORMAT_VERSION)
+    print(f"updated {source.path}/predictors.json (eval) in {time.perf_counter() - start:.0f}s")
+    return record
