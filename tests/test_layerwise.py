@@ -2,9 +2,11 @@
 
 import copy
 
+import pytest
 import torch
 from tiny import random_windows, tiny_model
 
+from sparseforge.errors import SparseforgeError
 from sparseforge.sparsify.convert import convert_model
 from sparseforge.train.layerwise import LayerwiseSettings, _attention_part, distill_layerwise
 
@@ -28,3 +30,22 @@ def test_lsq_init_and_adam_lower_each_layers_error():
         stats = distill_layerwise(sparse, dense, ids, LayerwiseSettings(epochs=2, lr=1e-3, batch_tokens=64, inputs=inputs), progress=False)
         assert all(s["rel_mse_init"] < s["rel_mse_before"] and s["rel_mse_after"] <= s["rel_mse_init"] * 1.01 for s in stats)
         assert all(0 <= s["flipped"] <= 128 for s in stats)
+
+
+def test_stream_target_matches_mlp_target_at_layer_0_and_needs_student_inputs():
+    """Before layer 0 both streams are the embeddings, so the stream target is the dense MLP's output there;
+    later layers also fit the error the student's earlier layers left in its stream."""
+    dense = tiny_model("llama", layers=3)
+    ids = torch.tensor(random_windows(8, 32))
+    stats = {}
+    for target in ("mlp", "stream"):
+        sparse = convert_model(copy.deepcopy(dense), "drelu")
+        settings = LayerwiseSettings(epochs=1, batch_tokens=64, inputs="student", target=target)
+        stats[target] = distill_layerwise(sparse, dense, ids, settings, progress=False)
+    for key in ("rel_mse_before", "rel_mse_init", "rel_mse_after"):
+        assert abs(stats["mlp"][0][key] - stats["stream"][0][key]) < 1e-5
+    assert stats["mlp"][2]["rel_mse_before"] != stats["stream"][2]["rel_mse_before"]
+    assert all(s["rel_mse_init"] < s["rel_mse_before"] for s in stats["stream"])
+    with pytest.raises(SparseforgeError, match="layerwise_target: stream needs layerwise_inputs: student"):
+        distill_layerwise(convert_model(copy.deepcopy(dense), "drelu"), dense, ids,
+                          LayerwiseSettings(inputs="teacher", target="stream"), progress=False)

@@ -6,10 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from sparseforge.families import mlp_activations
+from sparseforge.hooks import MLPCall, hook_mlps
 
 
 class ActivationHooks:
-    """Forward hooks on every `GatedActivation` of a sparse model. Counting and the L1 term cover training
+    """Hooks (sparseforge.hooks) on every MLP activation of a sparse model. Counting and the L1 term cover training
     forwards only (grad enabled); the blend applies to every forward.
 
     alpha: blend of the target activation (1.0) with the original SwiGLU silu(g)*u (0.0).
@@ -19,28 +20,25 @@ class ActivationHooks:
     def __init__(self, model, collect_l1: bool = False):
         self.alpha = 1.0
         self.collect_l1 = collect_l1
-        acts = mlp_activations(model)
+        layers = len(mlp_activations(model))
         # per layer: zeros as a tensor on the activations' device (no host sync per layer), totals as ints
-        self.zeros: list[torch.Tensor | int] = [0] * len(acts)
-        self.total = [0] * len(acts)
+        self.zeros: list[torch.Tensor | int] = [0] * layers
+        self.total = [0] * layers
         self._l1: list[torch.Tensor] = []
-        self.handles = [a.register_forward_hook(self._hook(i)) for i, a in enumerate(acts)]
+        self._hooks = hook_mlps(model, self._hook)
 
-    def _hook(self, layer: int):
-        def hook(module, args, h):  # args: (gate, up), each [..., I]; h: [..., I]
-            if self.alpha < 1.0:
-                gate, up = args[0], args[1]
-                h = self.alpha * h + (1.0 - self.alpha) * F.silu(gate) * up
-            if not torch.is_grad_enabled():
-                return h  # validation / teacher-free eval: blended, but neither counted nor penalized
-            with torch.no_grad():
-                self.zeros[layer] = self.zeros[layer] + (h == 0).sum()
-                self.total[layer] += h.numel()
-            if self.collect_l1:
-                self._l1.append(h.abs().float().mean())
-            return h
-
-        return hook
+    def _hook(self, call: MLPCall) -> torch.Tensor:
+        h = call.h  # [N, I]
+        if self.alpha < 1.0:
+            h = self.alpha * h + (1.0 - self.alpha) * F.silu(call.gate) * call.up
+        if not torch.is_grad_enabled():
+            return h  # validation / teacher-free eval: blended, but neither counted nor penalized
+        with torch.no_grad():
+            self.zeros[call.layer] = self.zeros[call.layer] + (h == 0).sum()
+            self.total[call.layer] += h.numel()
+        if self.collect_l1:
+            self._l1.append(h.abs().float().mean())
+        return h
 
     def pop_l1(self) -> torch.Tensor | None:
         """Mean over layers of mean |h| since the last call (None when nothing was collected)."""
@@ -58,6 +56,4 @@ class ActivationHooks:
         return fractions
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
+        self._hooks.remove()

@@ -6,7 +6,9 @@ token (the cost of one forward pass, whatever the number of layers). At layer l:
 1. the layer runs with its MLP swapped for a capture, giving the MLP inputs x and the residual r after
    attention; `inputs="teacher"` takes x from the dense model's own stream, `inputs="student"` from the
    student's (layers < l already distilled, so layer l learns to work on the inputs it will really see);
-2. the target is the dense MLP's output on the same x: y = down(silu(gate(x)) * up(x));
+2. the target: `target="mlp"` is the dense MLP's output on the same x, y = down(silu(gate(x)) * up(x));
+   `target="stream"` (student inputs only) is what brings the student's stream back onto the dense model's,
+   y = h_teacher(l+1) - r, so each MLP also corrects the error of the layers before it;
 3. `init="lsq"` first rebuilds the sparse MLP from the dense one (below), then Adam minimizes
    ||mlp(x) - y||^2 / ||y||^2 for `epochs` passes;
 4. the student stream moves on: h = r + mlp(x).
@@ -41,6 +43,7 @@ class LayerwiseSettings:
     lr: float = 1e-3
     batch_tokens: int = 512
     inputs: str = "teacher"  # teacher | student
+    target: str = "mlp"  # mlp | stream (student inputs only)
     init: str = "lsq"  # lsq | none
     forward_batch: int = 4  # windows per layer forward
     seed: int = 0
@@ -149,20 +152,30 @@ def distill_layerwise(student, teacher, windows: torch.Tensor, settings: Layerwi
     s = settings
     if hasattr(student.model.layers[0].mlp, "experts"):
         raise SparseforgeError("layer-wise distillation supports dense-MLP models; for MoE set layerwise_tokens: 0")
-    if s.inputs not in ("teacher", "student") or s.init not in ("lsq", "none"):
-        raise SparseforgeError(f"layer-wise settings inputs={s.inputs!r} init={s.init!r}; use inputs teacher|student, init lsq|none")
+    if s.inputs not in ("teacher", "student") or s.init not in ("lsq", "none") or s.target not in ("mlp", "stream"):
+        raise SparseforgeError(f"layer-wise settings inputs={s.inputs!r} init={s.init!r} target={s.target!r}; "
+                               "use inputs teacher|student, init lsq|none, target mlp|stream")
+    if s.target == "stream" and s.inputs != "student":
+        raise SparseforgeError("layerwise_target: stream needs layerwise_inputs: student (with teacher inputs it is the mlp target)")
     was_training = student.training
     student.train(False)
     source = teacher if s.inputs == "teacher" else student  # whose layers make the MLP inputs
     with torch.no_grad():
         stream = source.model.embed_tokens(windows)  # [N, S, H]
+        dense = teacher.model.embed_tokens(windows) if s.target == "stream" else None  # the teacher's stream
     stats = []
     for l in tqdm(range(len(student.model.layers)), desc="layer-wise distillation", disable=not progress):
         start = time.perf_counter()
         x, residual = _attention_part(source, l, stream, s.forward_batch)
         x = x.reshape(-1, x.shape[-1])  # [T, H]
         teacher_mlp, mlp = teacher.model.layers[l].mlp, student.model.layers[l].mlp
-        y = _apply(teacher_mlp, x)  # [T, H]
+        if dense is None:
+            y = _apply(teacher_mlp, x)  # [T, H]
+        else:
+            tx, tr = _attention_part(teacher, l, dense, s.forward_batch)
+            dense = tr + _apply(teacher_mlp, tx.reshape(-1, tx.shape[-1])).reshape(tr.shape)
+            y = (dense - residual).reshape(-1, x.shape[-1])
+            del tx, tr
         row = {"layer": l, "rel_mse_before": _rel_mse(mlp, x, y)}
         if s.init == "lsq":
             row.update(_init_lsq(mlp, teacher_mlp, x, y))

@@ -63,6 +63,7 @@ class Recipe:
     layerwise_lr: float = 1e-4  # Adam learning rate of layer-wise distillation
     layerwise_batch_tokens: int = 1024  # tokens per layer-wise optimizer step
     layerwise_inputs: str = "teacher"  # teacher: MLP inputs from the dense model; student: from already-distilled layers
+    layerwise_target: str = "mlp"  # mlp: the dense MLP's output; stream: the dense model's stream minus the student's (student inputs)
     layerwise_init: str = "lsq"  # lsq: per-neuron sign of (up, down), then down by least squares, before Adam; none: as converted
     device: str = "auto"  # auto: accelerate's choice; cpu forces CPU
     stages: dict = field(default_factory=dict)  # `sparseforge run`: extra arguments of the later stages (sparseforge/pipeline.py)
@@ -151,6 +152,10 @@ def validate(recipe: Recipe) -> Recipe:
         raise SparseforgeError(f"recipe key 'trainable' is {r.trainable!r}; use all or mlp")
     if r.lm_weight < 0 or r.distill_kl < 0 or r.lm_weight + r.distill_kl == 0:
         raise SparseforgeError(f"recipe keys lm_weight ({r.lm_weight}) and distill_kl ({r.distill_kl}) must be >= 0 and not both 0")
+    if r.layerwise_target not in ("mlp", "stream"):
+        raise SparseforgeError(f"recipe key 'layerwise_target' is {r.layerwise_target!r}; use mlp or stream")
+    if r.layerwise_target == "stream" and r.layerwise_inputs != "student":
+        raise SparseforgeError("recipe key 'layerwise_target' is stream but 'layerwise_inputs' is teacher; set layerwise_inputs: student")
     if r.layerwise_init not in ("lsq", "none"):
         raise SparseforgeError(f"recipe key 'layerwise_init' is {r.layerwise_init!r}; use lsq or none")
     if r.max_steps and r.warmup_steps > r.max_steps:

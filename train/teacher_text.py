@@ -12,15 +12,13 @@ source (train/tokens.py: `train.bin`, `meta.json`; no held-out part: validation 
 
 import hashlib
 import json
-import shutil
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from sparseforge.atomic import atomic_directory
 from sparseforge.errors import SparseforgeError
-from sparseforge.train.tokens import TOKEN_STORE_VERSION, TokenStore, cache_root, publish_store, tokenizer_fingerprint
+from sparseforge.train.tokens import TOKEN_STORE_VERSION, TokenStore, cache_root, tokenizer_fingerprint
 
 GENERATED_KEYS = {"tokens", "prompt_tokens", "temperature", "batch"}
 
@@ -67,11 +65,9 @@ def generate_store(name: str, settings: dict, teacher, tokenizer, prompts, seq_l
     device = next(teacher.parameters()).device
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
     eos = tokenizer.eos_token_id
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     written, docs = 0, 0
     generator = torch.Generator(device=device).manual_seed(seed)
-    try:
+    with atomic_directory(final, replace=False) as tmp:  # complete or absent; a store another process finished first is kept
         with open(tmp / "train.bin", "wb") as out, tqdm(total=s["tokens"], desc=f"generating {name}", unit="tok", disable=not progress) as bar:
             while written < s["tokens"]:
                 prompt = torch.as_tensor(prompts.next_batch(s["batch"])[:, : s["prompt_tokens"]], device=device)  # [B, P]
@@ -85,9 +81,6 @@ def generate_store(name: str, settings: dict, teacher, tokenizer, prompts, seq_l
                 "train_docs": docs, "val_docs": 0, "key": key}
         (tmp / "val.bin").write_bytes(b"")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-        publish_store(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return TokenStore(final)
 
 

@@ -15,15 +15,14 @@ no Python lists, nothing that can stall a device.
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from sparseforge.data import data_root, expand
+from sparseforge.atomic import atomic_directory
+from sparseforge.data import data_root, document_tokens, expand
 from sparseforge.errors import SparseforgeError
 
 TOKEN_STORE_VERSION = 1
@@ -115,60 +114,20 @@ class TokenStore:
 def _build(spec: SourceSpec, tokenizer, val_every: int, root: Path | None, key: dict, final: Path, progress: bool) -> None:
     from tqdm.auto import tqdm
 
-    if tokenizer.eos_token_id is None:
-        raise SparseforgeError("the tokenizer has no EOS token; sparseforge packs documents with EOS between them")
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     counts = {"train_tokens": 0, "val_tokens": 0, "train_docs": 0, "val_docs": 0}
-    try:
+    with atomic_directory(final, replace=False) as tmp:  # complete or absent; a store another process finished first is kept
         with open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val:
-            batch: list[tuple[int, str]] = []
-
-            def flush():
-                ids = tokenizer([d for _, d in batch], add_special_tokens=False)["input_ids"]
-                for (index, _), doc_ids in zip(batch, ids):
-                    if full():
-                        break
-                    part = "val" if index % val_every == 0 else "train"
-                    arr = np.asarray(doc_ids + [tokenizer.eos_token_id], dtype=dtype)
-                    (val if part == "val" else train).write(arr.tobytes())
-                    counts[f"{part}_tokens"] += len(arr)
-                    counts[f"{part}_docs"] += 1
-                batch.clear()
-
-            full = lambda: spec.max_tokens is not None and counts["train_tokens"] >= spec.max_tokens  # noqa: E731
-            docs = iter_source_documents(spec, root)
-            for index, doc in enumerate(tqdm(docs, desc=f"tokenizing {spec.name}", unit="doc", disable=not progress)):
-                batch.append((index, doc))
-                if len(batch) == _BATCH_DOCS:
-                    flush()
-                    if full():
-                        break
-            if batch:
-                flush()
+            docs = tqdm(iter_source_documents(spec, root), desc=f"tokenizing {spec.name}", unit="doc", disable=not progress)
+            for index, ids in enumerate(document_tokens(docs, tokenizer, _BATCH_DOCS)):
+                if spec.max_tokens is not None and counts["train_tokens"] >= spec.max_tokens:
+                    break
+                part = "val" if index % val_every == 0 else "train"
+                (val if part == "val" else train).write(np.asarray(ids, dtype=dtype).tobytes())
+                counts[f"{part}_tokens"] += len(ids)
+                counts[f"{part}_docs"] += 1
         meta = {"format_version": TOKEN_STORE_VERSION, "dtype": np.dtype(dtype).name, **counts, "key": key}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-        publish_store(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def publish_store(tmp: Path, final: Path) -> None:
-    """Make a finished store folder visible under its final name: permissions as a plain mkdir gives, then one rename
-    (complete or absent). If another process published the same store first, theirs is kept."""
-    os.chmod(tmp, 0o777 & ~_umask())
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        if not (final / "meta.json").is_file():
-            raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def open_store(spec: SourceSpec, tokenizer, val_every: int, root: Path | None = None, token_cache: str | None = None,
