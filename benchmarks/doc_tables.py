@@ -1,32 +1,129 @@
-"""Copy benchmark result tables into the docs, so that every table in docs/ is the one a benchmark wrote.
+"""Fill the generated blocks of README.md and docs/*.md, so that every table in the docs is one a command wrote.
 
-A doc marks a generated table with two comment lines; everything between them is replaced by the named file:
+A doc marks a generated block with two comment lines; everything between them is replaced:
 
-    <!-- table: benchmarks/results/recovery-cpu.md -->
+    <!-- table: benchmarks/results/recovery-cpu.md -->     a benchmark's result file
     ...
     <!-- end table -->
 
+    <!-- cli -->                                           every `sparseforge` command's arguments, from its parser
+    <!-- end cli -->
+
+    <!-- recipe-keys -->                                   every recipe key, its default and its comment (train/recipe.py)
+    <!-- end recipe-keys -->
+
+A result file's run line (date, load average) is shortened to the thread count, the machine its JSON records and
+the command; paths outside the repository in it become `<file name>`.
+
     python benchmarks/doc_tables.py          # rewrite the marked blocks of docs/*.md and README.md
-    python benchmarks/doc_tables.py --check  # exit 1 and name the blocks that differ from their result files
+    python benchmarks/doc_tables.py --check  # exit 1 and name the docs whose blocks differ from what they'd be
 """
 
 import argparse
+import json
+import os
 import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCK = re.compile(r"(<!-- table: (?P<file>\S+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
+BLOCK = re.compile(r"(<!-- (?P<kind>table|cli|recipe-keys)(?:: (?P<file>\S+))? -->\n)(?P<body>.*?)(?P<end><!-- end (?P=kind) -->)", re.S)
+RUN_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC, (?P<threads>\d+ thread\(s\)), load average [^;]*; command: (?P<cmd>`.*`)$", re.M)
+ABS_PATH = re.compile(r"(?<![\w.~])/[\w.+-]+(?:/[\w.+-]+)+")
+
+
+def _local_paths(text: str, root: Path) -> str:
+    """Paths inside the repository relative to it, paths outside it as `<file name>`."""
+
+    def fix(m: re.Match) -> str:
+        path = Path(m[0])
+        return str(path.relative_to(root)) if path.is_relative_to(root) else f"<{path.name}>"
+
+    return ABS_PATH.sub(fix, text)
+
+
+def result_table(path: Path, root: Path = ROOT) -> str:
+    """A result file as the docs show it: the table and notes, then threads, machine and command."""
+    if not path.is_file():
+        raise SystemExit(f"doc table names {path.relative_to(root)}, which does not exist; run its benchmark or fix the marker")
+    text = path.read_text().rstrip("\n")
+    js = path.with_suffix(".json")
+    env = json.loads(js.read_text()).get("environment", {}) if js.is_file() else {}
+    machine = ", ".join(x for x in (env.get("machine"), f"{env['cpus']} CPUs" if env.get("cpus") else None, env.get("device_name"),
+                                    f"torch {env['torch']}" if env.get("torch") else None) if x)
+
+    def run_line(m: re.Match) -> str:
+        return f"{m['threads']}" + (f" on {machine}" if machine else "") + f"; command: {m['cmd']}"
+
+    return _local_paths(RUN_LINE.sub(run_line, text), root)
+
+
+def cli_reference() -> str:
+    """Every `sparseforge` command: its description and a table of its arguments, from the argparse parsers."""
+    from sparseforge.cli import build_parser
+
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "1000"  # argparse wraps to the terminal; one line per argument here
+    try:
+        out = []
+        for name, parser in _commands(build_parser()):
+            out += [f"### `sparseforge {name}`", "", _one_line(parser.description or ""), "",
+                    "```text", _one_line(parser.format_usage().removeprefix("usage: ")), "```", ""]
+            rows = [a for a in parser._actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
+            if rows:
+                out += ["| argument | meaning |", "| --- | --- |"]
+                for a in rows:
+                    formatter = parser._get_formatter()
+                    flag = formatter._format_action_invocation(a)
+                    meaning = _one_line(formatter._expand_help(a)) if a.help and a.help != argparse.SUPPRESS else ""
+                    out.append(f"| `{flag}` | {meaning.replace('|', '&#124;')} |")
+                out.append("")
+        return "\n".join(out).rstrip("\n")
+    finally:
+        if columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = columns
+
+
+def _commands(parser: argparse.ArgumentParser, prefix: str = ""):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                nested = any(isinstance(a, argparse._SubParsersAction) for a in sub._actions)
+                if not nested:
+                    yield prefix + name, sub
+                yield from _commands(sub, prefix + name + " ")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def recipe_keys(root: Path = ROOT) -> str:
+    """A table of the `Recipe` fields: key, default, the field's comment (train/recipe.py)."""
+    source = (root / "train" / "recipe.py").read_text()
+    body = source.split("class Recipe", 1)[1].split("\n    def ", 1)[0]
+    field = re.compile(r"^    (?P<key>\w+): [^=#]+?(?: = (?P<default>.+?))?\s+# (?P<doc>.*)$", re.M)
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for m in field.finditer(body):
+        default = m["default"] or "required"
+        default = {"field(default_factory=list)": "[]", "field(default_factory=dict)": "{}"}.get(default, default)
+        rows.append(f"| `{m['key']}` | `{default}` | {m['doc'].replace('|', '&#124;')} |")
+    return "\n".join(rows)
 
 
 def render(text: str, root: Path = ROOT) -> str:
-    """The doc text with every marked block replaced by its result file."""
+    """The doc text with every marked block filled."""
 
     def fill(m: re.Match) -> str:
-        source = root / m["file"]
-        if not source.is_file():
-            raise SystemExit(f"doc table names {m['file']}, which does not exist; run its benchmark or fix the marker")
-        return m.group(1) + source.read_text().rstrip("\n") + "\n" + m.group(4)
+        if m["kind"] == "table":
+            body = result_table(root / m["file"], root)
+        elif m["kind"] == "cli":
+            body = cli_reference()
+        else:
+            body = recipe_keys(root)
+        return m.group(1) + body + "\n" + m["end"]
 
     return BLOCK.sub(fill, text)
 
@@ -37,7 +134,7 @@ def docs(root: Path = ROOT) -> list[Path]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a marked table differs from its result file")
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a marked block differs from what it would be")
     args = p.parse_args(argv)
     stale = []
     for doc in docs():
@@ -48,7 +145,7 @@ def main(argv=None) -> int:
             if not args.check:
                 doc.write_text(new)
     if args.check and stale:
-        print("stale tables in " + ", ".join(map(str, stale)) + "; run: python benchmarks/doc_tables.py")
+        print("stale generated blocks in " + ", ".join(map(str, stale)) + "; run: python benchmarks/doc_tables.py")
         return 1
     if not args.check:
         print("updated " + (", ".join(map(str, stale)) or "nothing"))
