@@ -10,7 +10,9 @@ HF's CPU fp16 matmuls are not a fair baseline — llama.cpp F16); int8 (sparsefo
 llama.cpp Q4_1. llama.cpp runs the checkpoint's own weights exported to GGUF (benchmarks/gguf_export.py: SwiGLU
 in place of dReLU, same matrices, same bytes) from `llama-cpp-python`, or a `llama-bench` binary (--llama-bench);
 its rows are skipped with a note when neither is available. sparseforge oracle (exact masks) computes every gate
-row but up rows and down columns only where the neuron fires: the exact output at no predictor cost. PowerInfer
+row but up rows and down columns only where the neuron fires: the exact output at no predictor cost; sparseforge
+screen (float weights) the same output, reading full rows only where an int8 gate/up screen (runtime/screen.py) cannot
+prove the neuron zero. PowerInfer
 rows run its `main` binary (--powerinfer) on GGUFs made from this checkpoint and its predictors (docs/benchmarks.md):
 one subprocess per run on the prompt's text, timed by its own "prompt eval" and "eval" lines. Engines alternate
 within each repetition; medians. Decoding is greedy; `--temperature` (with `--top-k`, `--top-p`) makes the sparseforge
@@ -66,7 +68,7 @@ class Sparseforge:
 
         self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False,
                                   predictor_dtype=predictor_dtype, head_screen=None if head_screen else False)  # fmt: skip
-        self.name = "sparseforge oracle (exact masks)" if mode == "oracle" else f"sparseforge {mode}"
+        self.name = {"oracle": "sparseforge oracle (exact masks)", "screen": "sparseforge screen (exact masks, int8 screen)"}.get(mode, f"sparseforge {mode}")
         if not head_screen and self.engine.model.weights.lm_head.weight.dtype != torch.int8:
             self.name += " (full head)"
         self.bytes, self.sampling = [], sampling or {}
@@ -268,7 +270,7 @@ def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list
     out = []
     for prec in args.precisions:
         dtype, hf_dtype, gguf_type = PRECISIONS[prec]
-        for mode in ("sparse", "oracle", "dense"):
+        for mode in ("sparse", "oracle", "screen", "dense") if dtype != "int8" else ("sparse", "oracle", "dense"):  # int8: no screen
             out.append((prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, args.head != "full", sampling)))
         if args.head == "both" and dtype != "int8":  # int8 heads have no screen
             out += [(prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, False, sampling))
@@ -320,7 +322,7 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
     p.add_argument("--llama-bench", default=None, metavar="PATH", help="a llama-bench binary to use instead of llama-cpp-python")
-    p.add_argument("--work-dir", default="/tmp/sparseforge-bench", help="where the exported GGUF files are cached")
+    p.add_argument("--work-dir", default="runs/bench/gguf", help="where the exported GGUF files are cached")
     p.add_argument("--powerinfer", default=None, metavar="BIN", help="PowerInfer's main binary (docs/benchmarks.md); without it the PowerInfer rows are skipped")
     p.add_argument("--powerinfer-gguf", nargs="+", default=[], metavar="LABEL=PATH",
                    help=f"PowerInfer GGUFs of this checkpoint, LABEL its type ({', '.join(POWERINFER_TYPES)}): one row each in the block of that precision")  # fmt: skip

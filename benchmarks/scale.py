@@ -3,7 +3,7 @@ of MLP neurons inactive), the engine's sparse mode against its own dense mode.
 
     python benchmarks/scale.py --threads 2             # writes benchmarks/results/scale-t2.{json,md}
 
-Checkpoints are written once to --work-dir (never the repository): a random `LlamaForCausalLM` as a sparseforge
+Checkpoints are written once to --work-dir (under runs/, which git ignores): a random `LlamaForCausalLM` as a sparseforge
 checkpoint (weights stored float16 to halve the 3B shape's 12.8 GB) and, per sparsity, a sibling directory that
 links the weights and holds a synthetic predictor: rank 2, `fc1 = [w; -w]`, `fc2[j] = [s_j, s_j]` with `s_j = +1`
 for a random (1 - sparsity) fraction of each layer's neurons, threshold 1e-12, so `score_j = s_j |w . x|` selects
@@ -13,8 +13,7 @@ per layer, not per token.
 The checkpoint keeps the SwiGLU activation (`silu`), so every selected neuron reads its gate row, up row and down
 column: exactly what a firing neuron costs, and the MLP bytes are (1 - sparsity) of the dense ones. A dReLU
 conversion of random weights would not model that: its gate stops about half of the selected neurons before
-their up row and only about a quarter fire, so "90 %" would read the bytes of ~97 % sparsity (what this sweep
-measured before the change; docs/benchmarks.md). When two engines of a shape do not fit in half the available memory, the dense and sparse runs
+their up row and only about a quarter fire, so "90 %" would read the bytes of ~97 % sparsity. When two engines of a shape do not fit in half the available memory, the dense and sparse runs
 are sequential instead of alternating (recorded per row).
 """
 
@@ -145,7 +144,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=16, help="random prompt length")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens per run")
     p.add_argument("--reps", type=int, default=3, help="repetitions per engine")
-    p.add_argument("--work-dir", default="/tmp/sparseforge-scale", help="where the random checkpoints are written (kept for reruns)")
+    p.add_argument("--work-dir", default="runs/bench/scale", help="where the random checkpoints are written (kept for reruns)")
     p.add_argument("--out", default=None, help="results name (default scale-t<threads>)")
     args = p.parse_args()
     env, bandwidth = setup(args.threads)

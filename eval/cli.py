@@ -60,8 +60,13 @@ def _register_eval(subparsers) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("ckpt", help="a sparse checkpoint (with predictors for the sparse row)")
-    p.add_argument("--tasks", required=True, help="comma-separated tasks: piqa, arc_easy, arc_challenge, hellaswag, winogrande, "
-                   "boolq, lambada_openai, wikitext, mmlu (the sf_ prefix is optional)")  # fmt: skip
+    p.add_argument("--tasks", required=True,
+                   help="comma-separated lm-eval task or group names: the built-in offline tasks (piqa, arc_easy, arc_challenge, "
+                   "hellaswag, winogrande, boolq, lambada_openai, wikitext, mmlu; the sf_ prefix is optional), the tasks of "
+                   "--include-path folders, or any task lm-eval knows (`lm-eval ls tasks`; its data come from the Hub or its cache)")  # fmt: skip
+    p.add_argument("--include-path", action="append", default=None, metavar="DIR",
+                   help="a folder of your own lm-eval task YAMLs, as lm_eval --include_path (repeatable); data read from local "
+                   "files (dataset_path: json, dataset_kwargs: {data_files: ...}) need no network")  # fmt: skip
     p.add_argument("--limit", type=int, default=None, help="score only the first N documents of each task (default: all)")
     p.add_argument("--batch-size", type=int, default=8, help="continuations (or same-length requests) per forward")
     p.add_argument("--threads", type=int, default=None, help="torch / engine threads (default: torch's choice)")
@@ -83,6 +88,7 @@ def eval_command(args) -> int:
     report = run_eval(
         args.ckpt, tasks, limit=args.limit, batch_size=args.batch_size, threads=args.threads, original=args.original,
         configs=configs, backend=args.backend, data_root=args.data_root, context=args.context, progress=not args.no_progress,
+        include_paths=args.include_path,
     )  # fmt: skip
     print(markdown(report))
     print(f"wrote {args.ckpt}/eval.json")

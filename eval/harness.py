@@ -45,15 +45,24 @@ def hf_lm(model, tokenizer, batch_size: int = 8, max_length: int | None = None):
 
 
 def run_tasks(
-    lm, tasks: list[str], task_dir: str | Path, limit: int | None = None, num_fewshot: int | None = None, log_samples: bool = False
+    lm,
+    tasks: list[str],
+    task_dir: "str | Path | lm_eval.tasks.TaskManager",
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    log_samples: bool = False,
 ) -> dict:
-    """simple_evaluate `tasks` (offline names, e.g. sf_piqa) from `task_dir`; returns lm-eval's results dict
-    with an added "wall_seconds" (and, with log_samples, lm-eval's per-document "samples" by task)."""
+    """simple_evaluate `tasks` from `task_dir`: a folder of task YAMLs (the offline names, e.g. sf_piqa; only its tasks
+    are known) or an lm-eval TaskManager (eval/task_names.py). Returns lm-eval's results dict with an added
+    "wall_seconds" (and, with log_samples, lm-eval's per-document "samples" by task)."""
     lm_eval = _lm_eval()
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=str(task_dir), include_defaults=False)
+    given = isinstance(task_dir, TaskManager)
+    manager = task_dir if given else TaskManager(include_path=str(task_dir), include_defaults=False)
     unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown and given:
+        raise SparseforgeError(f"task(s) {', '.join(unknown)} unknown to lm-eval's task manager; list its tasks with `lm-eval ls tasks`")
     if unknown:
         raise SparseforgeError(
             f"task(s) {', '.join(unknown)} not in {str(task_dir)!r}; write them with `sparseforge tasks --out {task_dir}` "

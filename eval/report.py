@@ -1,6 +1,7 @@
 """`sparseforge eval`: accuracy of the dense original, the sparse model with exact masks and with predicted masks.
 
-Three configurations score the same lm-eval documents (offline `sf_*` tasks, same `--limit`):
+Three configurations score the same lm-eval documents (same `--limit`) of the built-in offline `sf_*` tasks, the
+user's own task YAMLs (`--include-path`) or lm-eval's tasks (eval/task_names.py):
 
     original   the dense model the checkpoint was converted from (HFEngine, mode dense)
     oracle     the sparse checkpoint, every MLP with its exact firing mask (engine mode "oracle")
@@ -25,6 +26,7 @@ from pathlib import Path
 from sparseforge.atomic import atomic_write_text
 from sparseforge.checkpoint import SPARSITY_PROVENANCE, read_artifact, recorded_source, write_artifact
 from sparseforge.errors import SparseforgeError
+from sparseforge.files import read_json
 
 EVAL_FORMAT_VERSION = 1
 CONFIGS = ("original", "oracle", "sparse")
@@ -166,17 +168,19 @@ def _file_digests(paths: list[Path]) -> list:
 
 def _config_digest(path: Path) -> str:
     """SHA-256 of config.json without its provenance fields (checkpoint.SPARSITY_PROVENANCE), which change no score."""
-    config = json.loads(path.read_text())
+    config = read_json(path)
     sparsity = config.get("sparsity")
     if isinstance(sparsity, dict):
         config["sparsity"] = {k: v for k, v in sparsity.items() if k not in SPARSITY_PROVENANCE}
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
 
 
-def part_key(ckpt: Path, config: str, task: str, limit, context: int, backend: str, original: str | None) -> dict:
-    """What a part's scores depend on: the task and its sample, the context, and the computation scored: weight
-    files by content, config.json without provenance and, for the sparse row, the predictor weights and thresholds
-    (not the rest of predictors.json, which `predictors eval` rewrites without changing a mask)."""
+def part_key(ckpt: Path, config: str, task: str, limit, context: int, backend: str, original: str | None,
+             source: dict | None = None) -> dict:  # fmt: skip
+    """What a part's scores depend on: the task and its sample (a user task's YAML and data: `source`,
+    task_names.task_source), the context, and the computation scored: weight files by content, config.json without
+    provenance and, for the sparse row, the predictor weights and thresholds (not the rest of predictors.json, which
+    `predictors eval` rewrites without changing a mask)."""
     if config == "original":
         model = {"spec": original}
     else:
@@ -184,10 +188,11 @@ def part_key(ckpt: Path, config: str, task: str, limit, context: int, backend: s
         model = {"backend": backend, "config": _config_digest(ckpt / "config.json")}
         if config == "sparse":
             files.append(ckpt / "predictors.safetensors")
-            units = json.loads((ckpt / "predictors.json").read_text()).get("units", [])
+            units = read_json(ckpt / "predictors.json").get("units", [])
             model["thresholds"] = [[u["layer"], u["expert"], u["threshold"]] for u in units]
         model["files"] = _file_digests(files)
-    return {"task": task, "limit": limit, "context": context, "model": model}
+    key = {"task": task, "limit": limit, "context": context, "model": model}
+    return key if source is None else {**key, "source": source}
 
 
 def _trim(results: dict, task: str) -> dict:
@@ -235,7 +240,10 @@ def _reusable_parts(parts_dir: Path, config: str, keys: dict[str, dict]) -> tupl
     parts = {}
     for task, key in keys.items():
         path = parts_dir / f"{config}.{task}.json"
-        part = json.loads(path.read_text()) if path.is_file() else None
+        try:
+            part = read_json(path) if path.is_file() else None
+        except SparseforgeError:  # a damaged cached part is scored again
+            part = None
         if part is not None and part.get("key") == key:
             parts[task] = part
     return parts, [t for t in keys if t not in parts]
@@ -269,15 +277,18 @@ def run_eval(
     context: int = 2048,
     progress: bool = True,
     log=None,
+    include_paths: list[str] | None = None,
 ) -> dict:
-    """Score `configs` of `ckpt` on the offline `tasks` and write CKPT/eval.json; returns the report.
+    """Score `configs` of `ckpt` on `tasks` and write CKPT/eval.json; returns the report. tasks: built-in offline
+    tasks, tasks of the `include_paths` folders of lm-eval YAMLs, or lm-eval's own (eval/task_names.py).
 
     Each (configuration, task) is written to CKPT/eval-parts/ as soon as it is scored and reused by later
     runs while its key (task, limit, context, weights) matches, so an interrupted eval loses at most the task
     it was in, and a report over more tasks or rows scores only what is new."""
     from sparseforge.eval.adapter import SparseforgeLM
     from sparseforge.eval.harness import run_tasks
-    from sparseforge.eval.tasks import local_name, write_task_dir
+    from sparseforge.eval.task_names import choose_tasks, task_manager, task_source
+    from sparseforge.eval.tasks import write_task_dir
 
     log = log or (lambda line: print(line, flush=True))  # progress lines show up at once even when piped to a log
     unknown = [c for c in configs if c not in CONFIGS]
@@ -287,18 +298,20 @@ def run_eval(
         raise SparseforgeError(f"--limit must be a positive number of documents, got {limit}")
     ckpt = Path(ckpt)
     if "sparse" in configs and not (ckpt / "predictors.json").is_file():
-        raise SparseforgeError(f"{ckpt} has no predictors.json for the 'sparse' row; run `sparseforge predictors train {ckpt}` or pass --configs original,oracle")
-    names = list(dict.fromkeys(local_name(t) for t in tasks))
-    limits = {t: task_limit(t, limit, data_root) for t in names}
+        raise SparseforgeError(f"{ckpt} has no predictors.json for the sparse row; run `sparseforge predictors train {ckpt}` or pass --configs original,oracle")
+    choice = choose_tasks(tasks, include_paths)
+    names = choice.names
+    limits = {t: task_limit(t, limit, data_root) if t not in choice.user else limit for t in names}
     original = original or (recorded_source(ckpt) if "original" in configs else None)
     parts_dir = ckpt / PARTS_DIR
-    parts_dir.mkdir(exist_ok=True)
     per_config, runs = {}, {}
     with tempfile.TemporaryDirectory(prefix="sparseforge-tasks-") as tmp:
-        task_dir = write_task_dir(data_root, tmp, names)
+        manager = task_manager(choice, write_task_dir(data_root, tmp, choice.builtin) if choice.builtin else None)
+        sources = {t: task_source(manager, t) if t in choice.user else None for t in names}
+        parts_dir.mkdir(exist_ok=True)
         for k, config in enumerate(configs, 1):
             model = original if config == "original" else str(ckpt)
-            keys = {t: part_key(ckpt, config, t, limit, context, backend, original) for t in names}
+            keys = {t: part_key(ckpt, config, t, limit, context, backend, original, sources[t]) for t in names}
             parts, todo = _reusable_parts(parts_dir, config, keys)
             reused = f" ({len(parts)} task(s) reused from {parts_dir})" if parts else ""
             log(f"[{k}/{len(configs)}] {config}: " + (f"loading {model} for {', '.join(todo)}{reused}" if todo else f"all {len(names)} task(s) reused from {parts_dir}"))
@@ -306,7 +319,7 @@ def run_eval(
             for t in todo:
                 lm = SparseforgeLM(engine=engine, batch_size=batch_size, progress=progress)
                 start = time.perf_counter()
-                results = run_tasks(lm, [t], task_dir, limit=limits[t], log_samples=True)
+                results = run_tasks(lm, [t], manager, limit=limits[t], log_samples=True)
                 run = {"model": model, "engine": engine.stats(), "wall_seconds": time.perf_counter() - start,
                        "forward_seconds": lm.timing["seconds"], "forward_tokens": lm.timing["forward_tokens"]}  # fmt: skip
                 parts[t] = {"key": keys[t], "run": run, **_trim(results, t)}

@@ -5,20 +5,20 @@ Sections, each only when its artifact exists: how to load it with plain transfor
 `trust_remote_code=True`), how to run it fast with sparseforge, accuracy (`eval.json`), speed (`scorecard.json`), activation sparsity (`sparsity.json`) and predictor quality (`predictors.json`).
 """
 
-import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
 
 from sparseforge.checkpoint import sparsity_settings
 from sparseforge.errors import SparseforgeError
+from sparseforge.files import read_json
 
 _CODE_BLOCK = re.compile(r"```python\n.*?```\n?", re.DOTALL)
 
 
 def _json(ckpt: Path, name: str) -> dict | None:
     path = ckpt / f"{name}.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(path) if path.is_file() else None
 
 
 def _usage(repo: str, revision: str) -> str:
@@ -91,7 +91,7 @@ def build_card(ckpt: str | Path, repo: str = "ORG/NAME", revision: str = "main",
     from sparseforge.sparsify.convert import model_card
 
     ckpt = Path(ckpt)
-    config = json.loads((ckpt / "config.json").read_text())
+    config = read_json(ckpt / "config.json")
     sparsity = sparsity_settings(SimpleNamespace(sparsity=config.get("sparsity")))
     if source is None:
         try:

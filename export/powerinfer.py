@@ -24,8 +24,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sparseforge.atomic import atomic_directory
-from sparseforge.checkpoint import check_output
+from sparseforge.checkpoint import check_output, weight_files
 from sparseforge.errors import SparseforgeError
+from sparseforge.files import read_json
 
 SUPPORTED = ("llama", "mistral")  # attention without biases or q/k norms: what bamboo computes
 
@@ -90,7 +91,7 @@ def export_powerinfer(ckpt: str | Path, out: str | Path, all_active: bool = Fals
 
     ckpt, out = Path(ckpt), Path(out)
     check_output(out, force)
-    config = json.loads((ckpt / "config.json").read_text())
+    config = read_json(ckpt / "config.json")
     _check_config(config)
     layers, hidden, width = config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]
     profile, _ = load_profile(ckpt)
@@ -112,7 +113,7 @@ def export_powerinfer(ckpt: str | Path, out: str | Path, all_active: bool = Fals
 
     with atomic_directory(out) as tmp:
         weights = {}
-        for path in sorted(ckpt.glob("model*.safetensors")):
+        for path in weight_files(ckpt):
             weights.update(load_file(path))
         if "lm_head.weight" not in weights:  # tied embeddings: PowerInfer needs its own output matrix
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
@@ -136,7 +137,7 @@ def _write_tokenizer(ckpt: Path, out: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if (ckpt / name).is_file():
             shutil.copyfile(ckpt / name, out / name)
-    model = json.loads(source.read_text())["model"]
+    model = read_json(source).get("model") or {}
     if model.get("type") != "BPE":
         raise SparseforgeError(f"{source} holds a {model.get('type')!r} tokenizer; PowerInfer export writes BPE vocabularies only")
     (out / "vocab.json").write_text(json.dumps(model["vocab"], ensure_ascii=False))

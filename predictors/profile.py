@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from sparseforge.checkpoint import read_artifact, write_artifact
 from sparseforge.errors import SparseforgeError
 from sparseforge.families import num_experts
+from sparseforge.files import damaged
 from sparseforge.hooks import hook_mlps
 from sparseforge.predictors.collect import mlp_width, reservoirs
-from sparseforge.predictors.tensorfile import load_tensors, save_tensors
+from sparseforge.predictors.tensorfile import load_pair, save_pair
 from sparseforge.sparsify.measure import batches, take_tokens
 
 PROFILE_FORMAT_VERSION = 1
@@ -139,14 +139,20 @@ def profile_model(
 
 def save_profile(ckpt: str | Path, tensors: dict[str, torch.Tensor], report: dict) -> None:
     """Write profile.safetensors then profile.json (both atomically) into the checkpoint."""
-    save_tensors(Path(ckpt) / "profile.safetensors", tensors, {"format_version": str(PROFILE_FORMAT_VERSION)})
-    write_artifact(ckpt, "profile", report, PROFILE_FORMAT_VERSION)
+    save_pair(ckpt, "profile", tensors, report, PROFILE_FORMAT_VERSION)
 
 
 def load_profile(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, report) of a checkpoint's profile; a SparseforgeError if missing or of another version."""
-    report = read_artifact(ckpt, "profile", PROFILE_FORMAT_VERSION)
-    tensors = load_tensors(Path(ckpt) / "profile.safetensors", PROFILE_FORMAT_VERSION, "sparseforge profile")
+    tensors, report = load_pair(ckpt, "profile", PROFILE_FORMAT_VERSION, keys=("tokens", "num_experts", "intermediate_size"))
+    path = Path(ckpt) / "profile.safetensors"
+    shapes = {k: tuple(t.shape) for k, t in tensors.items()}
+    counts = shapes.get("counts")
+    if counts is None or len(counts) != 3 or shapes.get("order") != counts or shapes.get("tokens") != counts[:2]:
+        raise damaged(path, f"holds tensors of shapes {shapes}, not counts [L, E, I], order [L, E, I] and tokens [L, E]")
+    if counts[1:] != (report["num_experts"], report["intermediate_size"]):
+        raise damaged(path, f"counts have shape {list(counts)}, profile.json says {report['num_experts']} experts x "
+                            f"{report['intermediate_size']} neurons: the two files come from different runs")
     return tensors, report
 
 

@@ -11,14 +11,12 @@ from pathlib import Path
 
 import torch
 
-from sparseforge.checkpoint import read_artifact, write_artifact
-from sparseforge.errors import SparseforgeError
+from sparseforge.files import damaged
 from sparseforge.predictors.fit import FittedUnit
 from sparseforge.predictors.model import LowRankPredictor
-from sparseforge.predictors.tensorfile import load_tensors, save_tensors
+from sparseforge.predictors.tensorfile import load_pair, save_pair
 
 PREDICTORS_FORMAT_VERSION = 1
-WRITER = "sparseforge predictors train"
 
 
 def unit_prefix(layer: int, expert: int, moe: bool) -> str:
@@ -58,14 +56,13 @@ def save_predictors(ckpt: str | Path, fitted: list[FittedUnit], report: dict) ->
             tensors[f"{prefix}.fc2.weight"] = unit.predictor.fc2.weight.detach().float()
         threshold = None if unit.predictor is None else unit.threshold
         units.append({"layer": unit.layer, "expert": unit.expert, "threshold": threshold, **unit.stats})
-    save_tensors(Path(ckpt) / "predictors.safetensors", tensors, {"format_version": str(PREDICTORS_FORMAT_VERSION)})
-    write_artifact(ckpt, "predictors", {**report, "units": units}, PREDICTORS_FORMAT_VERSION)
+    save_pair(ckpt, "predictors", tensors, {**report, "units": units}, PREDICTORS_FORMAT_VERSION)
 
 
 def load_predictors(ckpt: str | Path) -> PredictorSet:
     """The checkpoint's predictors, checked against their JSON; SparseforgeError if missing or stale."""
-    report = read_artifact(ckpt, "predictors", PREDICTORS_FORMAT_VERSION)
-    tensors = load_tensors(Path(ckpt) / "predictors.safetensors", PREDICTORS_FORMAT_VERSION, WRITER)
+    tensors, report = load_pair(ckpt, "predictors", PREDICTORS_FORMAT_VERSION, keys=("num_experts", "units"))
+    path = Path(ckpt) / "predictors.safetensors"
     moe = report["num_experts"] > 1
     predictors, thresholds = {}, {}
     for unit in report["units"]:
@@ -76,7 +73,11 @@ def load_predictors(ckpt: str | Path) -> PredictorSet:
         try:
             fc1, fc2 = tensors[f"{prefix}.fc1.weight"], tensors[f"{prefix}.fc2.weight"]
         except KeyError as e:
-            raise SparseforgeError(f"{ckpt}/predictors.safetensors lacks {e.args[0]} listed in predictors.json; re-run `{WRITER}`") from None
+            raise damaged(path, f"lacks {e.args[0]} listed in predictors.json") from None
+        width = report.get("intermediate_size", fc2.shape[0])
+        if fc1.dim() != 2 or fc2.dim() != 2 or fc1.shape[0] != fc2.shape[1] or fc2.shape[0] != width:
+            raise damaged(path, f"holds {prefix} predictor matrices of shapes {list(fc1.shape)} and {list(fc2.shape)}, "
+                                f"not [rank, hidden] and [{width}, rank]")
         model = LowRankPredictor(fc1.shape[1], fc2.shape[0], fc1.shape[0])
         model.load_state_dict({"fc1.weight": fc1, "fc2.weight": fc2})
         predictors[key], thresholds[key] = model.eval().requires_grad_(False), float(unit["threshold"])

@@ -11,8 +11,7 @@ A record is the unit's bundle `[3, H]` in the file's dtype (float32 / bfloat16 /
 scales of its down columns, H float32 values, are in the index), so one positional read
 of a record (or of a run of adjacent records) is everything computing those neurons needs. Within a unit the
 records are in the profile's frequency order, most frequent first: the plan's hot neurons are the head of
-each unit (one sequential read at startup) and the cold ones that fire most often sit next to each other
-(docs/predictors.md found a greedy co-activation order no better than frequency on SmolLM2).
+each unit (one sequential read at startup) and the cold ones that fire most often sit next to each other.
 
 `CKPT/neurons/bundles-<dtype>.json` is the index: shapes, record size, each unit's offset, file order and
 one CRC32 per record (a record is the unit of reading and of checking), the build id also written in the
@@ -37,6 +36,7 @@ from tqdm.auto import tqdm
 
 from sparseforge.atomic import atomic_path, atomic_write_text
 from sparseforge.errors import SparseforgeError
+from sparseforge.files import damaged, read_json
 from sparseforge.runtime.sizes import DTYPES, model_shape, neuron_bytes
 from sparseforge.runtime.units import convert_bundles, make_bundles
 from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader
@@ -86,7 +86,10 @@ def build_bundles(ckpt: str | Path, dtype: str, progress: bool = True) -> Path:
     ckpt = Path(ckpt)
     if dtype not in DTYPES:
         raise SparseforgeError(f"bundle dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    from sparseforge.checkpoint import check_weights, load_config
+
     shape = model_shape(ckpt)
+    check_weights(ckpt, load_config(ckpt))
     record = neuron_bytes(shape.hidden, dtype)
     unit_bytes = math.ceil(shape.intermediate * record / ALIGN) * ALIGN
     sources = _sources(ckpt)
@@ -174,10 +177,13 @@ class BundleFile:
         if not index_path.is_file():
             raise SparseforgeError(f"bundle index {index_path} does not exist; build it: sparseforge.runtime.bundles."
                                    f"build_bundles({str(ckpt)!r}, {dtype!r}) (generate --fast-memory builds it on first use)")  # fmt: skip
-        self.index = index = json.loads(index_path.read_text())
+        self.index = index = read_json(index_path, fix=self.fix)
         if index.get("format_version") != BUNDLES_FORMAT_VERSION:
             raise SparseforgeError(f"{index_path} has format_version {index.get('format_version')!r}, this sparseforge "
                                    f"reads {BUNDLES_FORMAT_VERSION}; {self.fix}")  # fmt: skip
+        missing = [k for k in ("build_id", "file_bytes", "record_bytes", "hidden", "experts", "intermediate", "units") if k not in index]
+        if missing:
+            raise damaged(index_path, f"lacks {', '.join(missing)}", self.fix)
         if not self.path.is_file():
             raise SparseforgeError(f"bundle file {self.path} does not exist (its index {index_path.name} does); {self.fix}")
         size = self.path.stat().st_size
@@ -237,7 +243,7 @@ class BundleFile:
         lo = (s // align) * align
         hi = -((-(s + rec)) // align) * align
         # a new run where the gap to the next aligned range exceeds merge_gap: reading a small gap costs less
-        # than another read's latency (~0.2-0.3 ms x ~0.7 GB/s here, docs/runtime.md "Neuron store")
+        # than another read's latency (docs/runtime.md "Neuron store")
         breaks = np.nonzero(lo[1:] > hi[:-1] + self.merge_gap)[0] + 1
         run_lo = lo[np.r_[0, breaks]]
         run_hi = np.maximum.reduceat(hi, np.r_[0, breaks])
@@ -299,8 +305,8 @@ class BundleFile:
     def scatter(self, records: torch.Tensor, slots: np.ndarray, bundles: torch.Tensor, scales: torch.Tensor | None) -> None:
         """Copy records uint8 [n, record_bytes] into rows `slots` (int64 [n]) of bundles [S, 3, H] in the file dtype
         (and of scales float32 [S, 3] for int8; a record is the bundle's rows, then for int8 its three scales), in
-        numpy with each row one item. Not torch: torch ops on the store's reader thread start a second OpenMP team there, and the
-        decode kernels then ran at half speed (docs/runtime.md "Neuron store")."""
+        numpy with each row one item. Not torch: torch ops on the store's reader thread would start a second OpenMP team
+        there, which competes with the decode kernels' threads."""
         rec = records.numpy()
         rows = 3 * self.hidden * WEIGHT_DTYPES[self.dtype].itemsize
         parts = [(bundles, 0, rows)] + ([(scales, rows, self.record - rows)] if scales is not None else [])

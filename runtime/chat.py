@@ -45,11 +45,13 @@ def encode_prompt(tokenizer, prompt: str, template: str | None = None) -> list[i
 
 @dataclass
 class Completion:
-    """What one generation produced: the text, its token ids and why it ended ("stop" | "length")."""
+    """What one generation produced: the text, its token ids, why it ended ("stop" | "length") and, for "stop", what
+    stopped it (a stop token id or a stop string)."""
 
     text: str = ""
     token_ids: list[int] = None
     finish_reason: str | None = None
+    stopped_by: int | str | None = None
 
     def __post_init__(self):
         self.token_ids = [] if self.token_ids is None else self.token_ids
@@ -80,13 +82,14 @@ def stream_text(engine, prompt_ids: list[int], gen, stop: list[str] = (), done: 
     try:
         for tok in tokens:
             if tok in stop_ids:
-                done.finish_reason = "stop"
+                done.finish_reason, done.stopped_by = "stop", tok
                 break
             done.token_ids.append(tok)
             text = engine.tokenizer.decode(done.token_ids, skip_special_tokens=True)
-            cut = min((i for i in (text.find(s, max(emitted - len(s), 0)) for s in stops) if i >= 0), default=-1)
+            hits = [(i, s) for s in stops if (i := text.find(s, max(emitted - len(s), 0))) >= 0]
+            cut, hit = min(hits) if hits else (-1, None)
             if cut >= 0:
-                done.text, done.finish_reason = text[:cut], "stop"
+                done.text, done.finish_reason, done.stopped_by = text[:cut], "stop", hit
                 if cut > emitted:
                     yield text[emitted:cut]
                 return
@@ -105,6 +108,19 @@ def stream_text(engine, prompt_ids: list[int], gen, stop: list[str] = (), done: 
         yield text[emitted:]
     if done.finish_reason is None:
         done.finish_reason = "length" if len(done.token_ids) >= gen.max_new_tokens else "stop"
+
+
+def why_no_text(done: Completion, tokenizer) -> str:
+    """Why a finished generation has no visible text, in words, with what to try instead."""
+    if isinstance(done.stopped_by, str):
+        return f"the text began with the stop string {done.stopped_by!r} (the text ends before a stop string); change or drop that --stop"
+    if done.token_ids:
+        return (f"the model generated {len(done.token_ids)} token(s) that decode to no visible text (special tokens or "
+                "whitespace); try a different prompt, --raw or --chat-template, or sampling (--temperature 0.8)")  # fmt: skip
+    if done.stopped_by is not None:
+        return (f"the model ended the text at once with its end-of-text token {tokenizer.convert_ids_to_tokens(done.stopped_by)}; "
+                "try a longer or different prompt, --raw or --chat-template, sampling (--temperature 0.8), or --ignore-eos")  # fmt: skip
+    return "no token was generated"
 
 
 def chat_loop(engine, gen, system: str | None = None, stdin=None, stdout=None, stderr=None) -> int:

@@ -31,7 +31,8 @@ def register_plan(subparsers) -> None:
     p.add_argument("ckpt", help="a sparse checkpoint with a profile (sparseforge profile); the plan is written into it")
     p.add_argument("--fast-memory", required=True, metavar="SIZE",
                    help="total fast memory: bytes, 300MB, 1.5GiB (decimal and binary units); or N%% = N%% of the MLP "
-                   "neuron bytes resident on top of the always-touched part")  # fmt: skip
+                   "neuron bytes resident on top of the always-touched part, 0%% to 100%% (0%%: no hot neurons; generate, "
+                   "chat and serve need more than 0%% for their neuron cache)")  # fmt: skip
     p.add_argument("--context", type=int, default=2048, help="tokens of KV cache to reserve")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
                    help="weight dtype in fast memory (int8: int8 weights with float32 row scales, float32 KV cache); default: as stored")  # fmt: skip
@@ -68,17 +69,19 @@ def plan_command(args) -> int:
 
 def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", help="a sparse checkpoint (sparse mode needs its predictors: sparseforge predictors train)")
-    p.add_argument("--mode", choices=("sparse", "dense", "oracle"), default="sparse",
+    p.add_argument("--mode", choices=("sparse", "dense", "oracle", "screen"), default="sparse",
                    help="sparse: compute the neurons the predictors select; dense: every neuron (the baseline); oracle: the exact "
-                   "firing mask (computes the gate/up rows to find it; for parity checks)")  # fmt: skip
+                   "firing mask (computes the gate/up rows to find it; for parity checks); screen: the exact mask without a "
+                   "predictor, an int8 copy of the gate/up rows proving most silent neurons zero (float weights; runtime/screen.py)")  # fmt: skip
     p.add_argument("--weight-dtype", choices=DTYPE_CHOICES, default="float32", help="weight dtype the engine computes with (int8: int8 weights, inputs of their dot products quantized per block of 32)")
     p.add_argument("--predictor-dtype", choices=DTYPE_CHOICES, default=None,
                    help="dtype of the sparse mode's predictors (default: --weight-dtype). int8 reads a quarter of float32's "
                    "predictor bytes per token and chooses the same neurons within rounding (docs/runtime.md)")  # fmt: skip
     p.add_argument("--context", type=int, default=2048, help="tokens of KV cache: prompt + generated tokens must fit")
     p.add_argument("--fast-memory", metavar="SIZE", default=None,
-                   help="keep only this much resident (as for `sparseforge plan`: 300MB, 1.5GiB, 25%%); hot neurons pinned, cold "
-                   "neurons read from disk through the neuron cache. Default: everything resident")  # fmt: skip
+                   help="keep only this much resident (as for `sparseforge plan`: 300MB, 1.5GiB, 25%%; a percentage above 0%%, "
+                   "since the neuron cache needs room); hot neurons pinned, cold neurons read from disk through the neuron cache. "
+                   "Default: everything resident")  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--full-head", action="store_true",
                    help="decode steps (greedy and sampled) read the whole lm_head instead of finding the token through its int8 "
@@ -98,8 +101,8 @@ def register_engine_verbs(subparsers) -> None:
     fmt = HelpFormatter
     p = subparsers.add_parser("generate", help="generate text from a prompt with the sparse decode engine, streamed to stdout",
                               description="Tokenize --prompt (through the tokenizer's chat template when it has one, unless --raw), "
-                              "prefill it densely, decode with the engine and stream the text to stdout; --stats adds a line of "
-                              "speed and traffic figures on stderr.", formatter_class=fmt)  # fmt: skip
+                              "prefill it densely, decode with the engine and stream the text to stdout (when there is none, a line on stderr "
+                              "says why); --stats adds a line of speed and traffic figures on stderr.", formatter_class=fmt)  # fmt: skip
     _engine_options(p)
     p.add_argument("--prompt", required=True, help="the prompt text")
     _sampling_options(p, 128)
@@ -160,11 +163,29 @@ def _generation_config(args) -> "GenerationConfig":
                             seed=args.seed, stop_ids=() if getattr(args, "ignore_eos", False) else None)  # fmt: skip
 
 
+def _check_engine_options(args) -> None:
+    """What the engine flags need from each other and from the checkpoint, said in flags, before the model loads."""
+    from pathlib import Path
+
+    from sparseforge.runtime.sizes import parse_size
+
+    check_positive(context=args.context, threads=args.threads)
+    if args.mode == "sparse" and (Path(args.ckpt) / "config.json").is_file() and not (Path(args.ckpt) / "predictors.json").is_file():
+        raise SparseforgeError(f"--mode sparse needs the checkpoint's predictors and {args.ckpt} has none; train them with "
+                               f"`sparseforge predictors train {args.ckpt}`, or run without predictors: --mode screen, oracle or dense")  # fmt: skip
+    if args.mode == "screen" and args.weight_dtype == "int8":
+        raise SparseforgeError("--mode screen needs float weights (--weight-dtype float32, bfloat16 or float16); with --weight-dtype int8 "
+                               "use --mode oracle, which reads the int8 gate rows once")  # fmt: skip
+    if args.fast_memory is not None and parse_size(args.fast_memory).percent == 0:
+        raise SparseforgeError(f"--fast-memory {args.fast_memory} leaves no room for the neuron cache that cold neurons are read into; "
+                               "give a percentage above 0% (the smaller, the more neurons are read from disk) or a size")  # fmt: skip
+
+
 def _open_engine(args):
     """runtime.engine.open_engine with the engine flags."""
     from sparseforge.runtime.engine import open_engine
 
-    check_positive(context=args.context, threads=args.threads)
+    _check_engine_options(args)
     return open_engine(args.ckpt, mode=args.mode, weight_dtype=args.weight_dtype, context=args.context, threads=args.threads,
                        fast_memory=args.fast_memory, predictor_dtype=args.predictor_dtype, head_screen=False if args.full_head else None,
                        progress=not args.no_progress)  # fmt: skip
@@ -184,7 +205,7 @@ def format_stats(stats: dict) -> str:
 
 
 def generate_command(args) -> int:
-    from sparseforge.runtime.chat import encode_prompt, stream_text
+    from sparseforge.runtime.chat import Completion, encode_prompt, stream_text, why_no_text
 
     config = _generation_config(args)
     with _open_engine(args) as engine:
@@ -192,11 +213,14 @@ def generate_command(args) -> int:
         if len(ids) + args.max_new_tokens > engine.context:
             raise SparseforgeError(f"the prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceed --context "
                                    f"{engine.context}; raise --context or lower --max-new-tokens")  # fmt: skip
-        for piece in stream_text(engine, ids, config, args.stop):
+        done = Completion()
+        for piece in stream_text(engine, ids, config, args.stop, done=done):
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
         sys.stdout.flush()
+        if not done.text.strip():  # stdout stays the text alone; say on stderr why it is empty
+            print(f"sparseforge generate: nothing to print: {why_no_text(done, engine.tokenizer)}", file=sys.stderr)
         if args.stats:
             print(format_stats(engine.stats()), file=sys.stderr)
     return 0

@@ -81,15 +81,17 @@ class SfLayer(ctypes.Structure):
         ("fc1", _p), ("s1", _p), ("fc2t", _p), ("s2", _p), ("p_dtype", _i), ("rank", _i), ("p_scratch", _p), ("ids", _p),
         ("bundles", _p), ("b_scales", _p), ("channels", _p), ("b_dtype", _i), ("inter", _i), ("act", _i),
         ("p_threshold", ctypes.c_float), ("act_threshold", ctypes.c_float),
+        ("sg_q", _p), ("sg_s", _p), ("sg_r", _p), ("sg_n", _p), ("su_q", _p), ("su_s", _p), ("su_r", _p), ("su_n", _p),
     ]  # fmt: skip
 
 
 class LeanStep:
     """A batch-1 decode step's layers as one prepared native call: the same kernels and counters as the per-layer
-    path (sparse: sf_predict then sf_sparse_mlp over the predicted neurons; oracle: sf_sparse_mlp over all; dense:
+    path (sparse: sf_predict then sf_sparse_mlp over the predicted neurons; screen: sf_mlp_screen then sf_sparse_mlp
+    over the neurons it keeps; oracle: sf_sparse_mlp over all; dense:
     sf_matvec gate_up, sf_gated_act, sf_matvec down accumulated into the residual), without the unit requests,
     tensors and ctypes calls that path makes per layer. `seconds` accumulates the wall time in attention blocks,
-    predictors and MLPs (benchmarks/kernels.py reads it)."""
+    predictors or screens, and MLPs (benchmarks/kernels.py reads it)."""
 
     @classmethod
     def build(cls, model: Model, row: NativeRow, meter: Meter) -> "LeanStep | None":
@@ -110,7 +112,7 @@ class LeanStep:
         self.buffers = []  # tensors the prepared pointers point into
         self.layers = (SfLayer * len(model.weights.layers))()
         self.slots = self.dense_bytes = 0  # per step: neurons a layer could compute, summed; the dense weights' bytes
-        self.row_bytes = 0
+        self.row_bytes = self.screen_bytes = self.screen_row = 0
         for i, lw in enumerate(model.weights.layers):
             L = self.layers[i]
             (L.in_norm, L.post_norm, _, _, L.qkv_w, L.qkv_s, L.qkv_b, L.o_w, L.o_s, L.o_b, L.attn_dtype, L.q_norm, L.k_norm) = row.layer_args[i]
@@ -130,7 +132,11 @@ class LeanStep:
                 continue
             unit = lw.units[0]
             inter, p = unit.intermediate, model.predictors.get((i, 0)) if model.mode == "sparse" and model.predictors else None
-            ids = torch.arange(inter) if p is None else torch.empty(inter, dtype=torch.long)
+            screen = model.screens[(i, 0)] if model.screens else None
+            ids = torch.arange(inter) if p is None and screen is None else torch.empty(inter, dtype=torch.long)
+            if screen is not None:
+                (L.sg_q, L.sg_s, L.sg_r, L.sg_n, L.su_q, L.su_s, L.su_r, L.su_n), self.screen_row = screen.tables(), screen.row_bytes
+                self.screen_bytes += inter * screen.row_bytes  # every neuron's gate screen row, each step
             self.buffers.append(ids)
             if p is not None:
                 (w1, s1), (w2, s2) = p.fc1, p.fc2t
@@ -142,7 +148,7 @@ class LeanStep:
             L.inter = inter
             self.slots += inter
             self.row_bytes = row_bytes(unit)
-        self.stats = (ctypes.c_int64 * 2)()  # per step: neurons the sparse kernel computed, neurons the dense activation fired
+        self.stats = (ctypes.c_int64 * 3)()  # per step: neurons the sparse kernel computed, neurons the dense activation fired, up rows screened
         self.seconds = (ctypes.c_double * 3)()  # attention, predictors, MLPs
 
     def step(self, cache: KVCache) -> None:
@@ -150,7 +156,7 @@ class LeanStep:
         row, m, meter, stats = self.row, self.model, self.meter, self.stats
         nh, kvh, hd = row.dims
         pos = cache.length
-        stats[0] = stats[1] = 0
+        stats[0] = stats[1] = stats[2] = 0
         predict_before = self.seconds[1]
         rc = self.lib.sf_decode_layers(
             self.layers, len(self.layers), row.x.data_ptr(), row.xn.data_ptr(), m.weights.final_norm.data_ptr(), row.xn.data_ptr(), row.eps,
@@ -165,3 +171,5 @@ class LeanStep:
             return
         meter.native_mlp(stats[0], self.slots, self.row_bytes)
         meter.predictor(self.seconds[1] - predict_before)
+        if self.screen_bytes:
+            meter.screen(self.screen_bytes + stats[2] * self.screen_row)

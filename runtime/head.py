@@ -14,8 +14,8 @@ Both are rounded up. Each step streams Q (a quarter of the float32 head's bytes)
 candidates: the rows whose upper bound reaches the largest lower bound. The
 argmax is among them (its upper bound is at least its logit, which is at least every lower bound), and the
 candidates' logits are computed with sf_matvec's operations in its order (csrc `head_row`), so the token is the
-argmax of the full sf_matvec logits bit for bit, ties to the lowest id as torch.argmax. On the stage-3 SmolLM2
-decodes 3.6 rows per token were candidates on average, 38 at most (docs/runtime.md "Head screen").
+argmax of the full sf_matvec logits bit for bit, ties to the lowest id as torch.argmax. `generate --stats` reports
+the candidate rows per screened token (docs/runtime.md "Head screen").
 
 Sampled steps use it too (runtime/sampling.py draws a token as the argmax of the filtered logits / T plus Gumbel
 noise, one value per row): without top-k/top-p the candidates are the rows whose bounds of y_v / T + g_v reach the

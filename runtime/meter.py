@@ -4,7 +4,7 @@
 What a decode step touches is counted from what the kernels read:
 - the always-touched weights (attention, norms, routers, one embedding row, the predictors run), once per step;
 - the KV cache of every row up to its new position;
-- the MLPs: a PyTorch or dense MLP reports its bytes; the native sparse kernel counts the up rows and down
+- the MLPs: a PyTorch or dense MLP reports its bytes, a screen (runtime/screen.py) the int8 rows it read; the native sparse kernel counts the up rows and down
   columns it reads into `rows_read` (a tensor it writes through a pointer), and every computed neuron reads its gate row;
 - the head: all of it, or the screen and its candidates' rows (runtime/head.py).
 Prefill steps count tokens and seconds only.
@@ -59,6 +59,10 @@ class Meter:
         self.row_neurons += neurons
         self.neuron_slots += slots
         self.row_bytes = row_bytes
+
+    def screen(self, nbytes: int) -> None:
+        """An exact MLP screen's reads (runtime/screen.py): its int8 rows and their per-row numbers."""
+        self.step_bytes += nbytes
 
     def predictor(self, seconds: float) -> None:
         self.predictor_seconds += seconds

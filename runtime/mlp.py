@@ -3,9 +3,11 @@
 Every row's MLP follows the model's mode (runtime/model.py). In the sparse mode the predictor reads the residual
 after attention (before the MLP norm). With several rows (prefill, scoring) the union of the rows' predicted neurons
 is computed once with PyTorch ops over the gathered bundles and each row's own mask applied, so each row gets
-exactly what a one-row sparse step computes. One row with native kernels: the predictor's ids, then per part of
-the unit's request one sf_sparse_mlp call (gate/up dots -> activation -> down accumulated into the residual). MoE
-layers touch only the routed experts.
+exactly what a one-row sparse step computes. The screen mode chooses neurons the same way with its exact screen of
+the normed MLP input (runtime/screen.py) instead of a predictor, for up to SCREEN_ROWS rows (more, as in prefill,
+compute every neuron as the oracle mode does: their union keeps most). One row with native kernels: the predictor's
+(or screen's) ids, then per part of the unit's request one sf_sparse_mlp call (gate/up dots -> activation -> down
+accumulated into the residual). MoE layers touch only the routed experts.
 """
 
 import time
@@ -16,6 +18,7 @@ from sparseforge.runtime import kernels
 from sparseforge.runtime.forward import route
 from sparseforge.runtime.meter import Meter
 from sparseforge.runtime.model import Model
+from sparseforge.runtime.screen import SCREEN_ROWS, screen_native, screen_torch
 from sparseforge.runtime.units import row_bytes
 
 
@@ -67,7 +70,11 @@ class SparseMLP:
         """y [H] += scale * MLP(xn [H]) over the unit's predicted (sparse) or all (oracle) neurons: predictor, request,
         compute the ready part, wait for the rest, compute it, release."""
         I = unit.intermediate
-        neurons = self._predict_row(layer, expert, resid, I) if self.model.mode == "sparse" else None
+        mode, neurons = self.model.mode, None
+        if mode == "sparse":
+            neurons = self._predict_row(layer, expert, resid, I)
+        elif mode == "screen":
+            neurons = self._screen_row(layer, expert, xn)
         if neurons is None:
             neurons = self._all_neurons(I)
         act, threads, counts = self.model.activations[layer], self.model.threads, self.meter.rows_read
@@ -93,6 +100,14 @@ class SparseMLP:
         self.meter.predictor(time.perf_counter() - start)
         return ids
 
+    def _screen_row(self, layer: int, expert: int, xn: torch.Tensor) -> torch.Tensor:
+        """The neurons of one row the unit's screen cannot prove zero (ascending ids); the screen's time and bytes metered."""
+        start = time.perf_counter()
+        ids, nbytes = screen_native(self.model.screens[(layer, expert)], xn, self.model.threads)
+        self.meter.predictor(time.perf_counter() - start)
+        self.meter.screen(nbytes)
+        return ids
+
     def _rows(self, layer: int, expert: int, unit, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
         """Several rows (or PyTorch ops): the union of their neurons computed once, each row masked to its own prediction."""
         I = unit.intermediate
@@ -102,6 +117,12 @@ class SparseMLP:
             p = self.model.predictors[(layer, expert)]
             keep = torch.ones(x.shape[0], I, dtype=torch.bool) if p is None else kernels.predict_torch(p.fc1, p.fc2t, p.threshold, resid)  # [n, I]
             self.meter.predictor(time.perf_counter() - start)
+            neurons = keep.any(0).nonzero().flatten()
+        elif self.model.mode == "screen" and x.shape[0] <= SCREEN_ROWS:
+            start = time.perf_counter()
+            keep, nbytes = screen_torch(self.model.screens[(layer, expert)], x)  # [n, I]
+            self.meter.predictor(time.perf_counter() - start)
+            self.meter.screen(nbytes)
             neurons = keep.any(0).nonzero().flatten()
         else:
             neurons = self._all_neurons(I)

@@ -8,10 +8,11 @@ MLP modes:
 - "oracle": every neuron through the bundle kernels, keeping exactly those that fire (equals dense up to float
   rounding; a parity check for the sparse path);
 - "sparse": the checkpoint's predictors (reading the residual after attention, before the MLP norm) choose the
-  neurons; only those are computed.
+  neurons; only those are computed;
+- "screen": no predictor: an int8 copy of the gate (and up) rows proves most non-firing neurons zero with a rigorous
+  bound, the rest are computed as in "oracle" (equals it up to float rounding; runtime/screen.py).
 """
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,13 +20,15 @@ from pathlib import Path
 import torch
 
 from sparseforge.errors import SparseforgeError
+from sparseforge.files import damaged, read_json
 from sparseforge.runtime import kernels
 from sparseforge.runtime.forward import AttentionShape, attention_shape, rope_tables
 from sparseforge.runtime.head import FLOAT_DTYPES, HeadScreen, screen_bytes
+from sparseforge.runtime.screen import load_screens, screens_nbytes
 from sparseforge.runtime.weights import ModelWeights, WeightReader, load_unit_predictors, load_weights, predictors_nbytes
 from sparseforge.sparsify.hf_code.modeling_sparseforge import GatedActivation
 
-MODES = ("sparse", "oracle", "dense")
+MODES = ("sparse", "oracle", "dense", "screen")
 
 
 @dataclass
@@ -44,6 +47,7 @@ class Model:
     native: bool
     head_screen: HeadScreen | None
     units: Callable | None = None  # the units factory the MLPs came from (None: resident bundles or dense matrices)
+    screens: dict | None = None  # per (layer, expert): runtime/screen.py UnitScreen (screen mode)
     shape: AttentionShape = field(init=False)
     cos: torch.Tensor = field(init=False)  # [context, head_dim]
     sin: torch.Tensor = field(init=False)
@@ -69,12 +73,12 @@ class Model:
     def resident_bytes(self) -> int:
         """Weights, predictors and head screen held in memory."""
         screen = self.head_screen.nbytes if self.head_screen is not None else 0
-        return self.weights.resident_bytes() + predictors_nbytes(self.predictors or {}) + screen
+        return self.weights.resident_bytes() + predictors_nbytes(self.predictors or {}) + screen + screens_nbytes(self.screens)
 
     def stop_ids(self) -> tuple[int, ...]:
         """The tokenizer's EOS id(s) and the checkpoint's generation_config eos_token_id(s)."""
         path = self.ckpt / "generation_config.json"
-        generation_eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+        generation_eos = read_json(path).get("eos_token_id") if path.is_file() else None
         ids = set()
         for value in (self.tokenizer.eos_token_id, getattr(self.config, "eos_token_id", None), generation_eos):
             if value is not None:
@@ -86,7 +90,7 @@ def load_model(ckpt: str | Path, mode: str = "sparse", weight_dtype: str = "floa
                units: Callable | None = None, progress: bool = True, native: bool | None = None, predictor_dtype: str | None = None,
                head_screen: bool | None = None) -> Model:
     """Read a sparse checkpoint; the arguments are Engine.load's (runtime/engine.py)."""
-    from transformers import AutoTokenizer
+    from sparseforge.sources import checkpoint_tokenizer
 
     ckpt = Path(ckpt)
     if mode not in MODES:
@@ -100,7 +104,7 @@ def load_model(ckpt: str | Path, mode: str = "sparse", weight_dtype: str = "floa
     threads = threads or torch.get_num_threads()
     config = _load_config(ckpt)
     plan = getattr(units, "plan", None)  # a neuron store's placement plan: its reserve must hold the predictors and head screen
-    predictors = _load_predictors(ckpt, predictor_dtype or weight_dtype, plan) if mode == "sparse" else None
+    predictors = _load_predictors(ckpt, config, predictor_dtype or weight_dtype, plan) if mode == "sparse" else None
     reader = WeightReader(ckpt, weight_dtype)
     available = kernels.native() is not None
     if native and not available:
@@ -109,29 +113,38 @@ def load_model(ckpt: str | Path, mode: str = "sparse", weight_dtype: str = "floa
     with torch.inference_mode():
         weights = load_weights(reader, config, mode, units, threads, native, progress)
         screen = _head_screen(weights, plan, threads, native, head_screen)
-    tokenizer = AutoTokenizer.from_pretrained(ckpt, local_files_only=True, trust_remote_code=False)  # needs none of the custom code
-    return Model(ckpt, config, tokenizer, weights, predictors, mode, context, threads, weight_dtype, native, screen, units)
+    tokenizer = checkpoint_tokenizer(str(ckpt), config)
+    model = Model(ckpt, config, tokenizer, weights, predictors, mode, context, threads, weight_dtype, native, screen, units)
+    if mode == "screen":
+        with torch.inference_mode():
+            model.screens = load_screens(reader, model)
+    return model
 
 
 def _load_config(ckpt: Path):
-    from sparseforge.checkpoint import sparsity_settings
-    from sparseforge.families import family_for
+    from sparseforge.checkpoint import check_tokenizer, check_weights, load_config
 
     path = ckpt / "config.json"
     if not path.is_file():
         raise SparseforgeError(f"{path} does not exist; pass a sparse checkpoint directory (sparseforge convert)")
-    config_cls, _ = family_for(json.loads(path.read_text()).get("model_type", "?")).classes()
-    config = config_cls.from_pretrained(ckpt)
-    sparsity_settings(config)
+    config = load_config(ckpt)
+    if any((ckpt / n).is_file() for n in ("model.safetensors.index.json", "model.safetensors")):  # else WeightReader says so
+        check_weights(ckpt, config)
+    check_tokenizer(ckpt)
     if getattr(config, "mlp_bias", False):
         raise SparseforgeError(f"{ckpt} has MLP biases (mlp_bias=true); the sparse engine supports bias-free MLPs only")
     return config
 
 
-def _load_predictors(ckpt: Path, dtype: str, plan: dict | None) -> dict:
+def _load_predictors(ckpt: Path, config, dtype: str, plan: dict | None) -> dict:
     if not (ckpt / "predictors.json").is_file():
-        raise SparseforgeError(f"{ckpt} has no predictors (predictors.json); train them with `sparseforge predictors train {ckpt}` or use mode='oracle'/'dense'")
+        raise SparseforgeError(f"{ckpt} has no predictors (predictors.json); train them with `sparseforge predictors train {ckpt}` or load with mode \"screen\", \"oracle\" or \"dense\"")
     predictors = load_unit_predictors(ckpt, dtype)
+    for (layer, expert), p in predictors.items():
+        shape = None if p is None else (p.fc1[0].shape[1], p.fc2t[0].shape[1])  # (H, I)
+        if p is not None and shape != (config.hidden_size, config.intermediate_size):
+            raise damaged(ckpt / "predictors.safetensors", f"holds a predictor for layer {layer} expert {expert} of a model with "
+                          f"(hidden, intermediate) = {shape}, config.json says {(config.hidden_size, config.intermediate_size)}")
     need = predictors_nbytes(predictors)
     if plan is not None and need > plan["always_touched"]["predictors"]:
         raise SparseforgeError(

@@ -34,6 +34,8 @@ from sparseforge.runtime.sizes import (
 )
 
 PLAN_FORMAT_VERSION = 1
+PLAN_KEYS = ("fast_memory", "budget_bytes", "dtype", "always_touched", "bytes_per_neuron", "mlp", "num_experts",
+             "intermediate_size", "hidden_size", "layers")  # what loaders of a plan read
 
 
 def hot_counts(counts: list[torch.Tensor], m: int) -> list[int]:
@@ -169,10 +171,10 @@ def write_plan(ckpt: str | Path, plan: dict, out: str = "plan.json") -> Path:
 
 
 def load_plan(ckpt: str | Path, out: str = "plan.json") -> dict:
-    """Read a plan written by write_plan, checking its format_version."""
+    """Read a plan written by write_plan, checking its format_version and that it is complete."""
     from sparseforge.checkpoint import read_artifact
 
-    return read_artifact(ckpt, artifact_name(out), PLAN_FORMAT_VERSION)
+    return read_artifact(ckpt, artifact_name(out), PLAN_FORMAT_VERSION, keys=PLAN_KEYS)
 
 
 # ---------------------------------------------------------------- PowerInfer's GPU index

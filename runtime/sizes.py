@@ -3,15 +3,13 @@ headers (no weights loaded): --fast-memory sizes, matrix and neuron-bundle bytes
 token touches outside the MLP neurons (the reserve a placement plan, runtime/plan.py, sets aside first).
 """
 
-import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors import safe_open
-
 from sparseforge.errors import SparseforgeError
+from sparseforge.files import damaged, open_safetensors, read_json
 from sparseforge.runtime.head import screen_bytes
 
 DTYPES = ("float32", "float16", "bfloat16", "int8")
@@ -99,9 +97,10 @@ class ModelShape:
 def model_shape(ckpt: str | Path) -> ModelShape:
     """Read the fields of `ckpt/config.json` a plan needs."""
     path = Path(ckpt) / "config.json"
-    if not path.is_file():
-        raise SparseforgeError(f"{path} does not exist; pass a sparse checkpoint directory (sparseforge convert)")
-    c = json.loads(path.read_text())
+    c = read_json(path, fix="pass a sparse checkpoint directory (sparseforge convert)" if not path.is_file() else None)
+    missing = [k for k in ("num_attention_heads", "num_hidden_layers", "hidden_size", "intermediate_size") if k not in c]
+    if missing:
+        raise damaged(path, f"lacks {', '.join(missing)}")
     heads = c["num_attention_heads"]
     return ModelShape(
         layers=c["num_hidden_layers"],
@@ -116,17 +115,14 @@ def model_shape(ckpt: str | Path) -> ModelShape:
 
 def weight_headers(ckpt: str | Path) -> dict[str, tuple[str, list[int]]]:
     """{tensor name: (safetensors dtype, shape)} of the checkpoint's weights (single file or shards), no data read."""
+    from sparseforge.checkpoint import weight_files
+
     ckpt = Path(ckpt)
-    index = ckpt / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (ckpt / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
+    if not any((ckpt / n).is_file() for n in ("model.safetensors.index.json", "model.safetensors")):
         raise SparseforgeError(f"{ckpt} has no model.safetensors (or index); pass a sparse checkpoint directory")
     out = {}
-    for name in files:
-        with safe_open(str(ckpt / name), framework="pt") as f:
+    for file in weight_files(ckpt):
+        with open_safetensors(file) as f:
             for key in f.keys():
                 s = f.get_slice(key)
                 out[key] = (s.get_dtype(), list(s.get_shape()))
@@ -203,5 +199,5 @@ def predictor_bytes(ckpt: str | Path, dtype: str) -> int:
     path = Path(ckpt) / "predictors.safetensors"
     if not path.is_file():
         return 0
-    with safe_open(str(path), framework="pt") as f:
+    with open_safetensors(path) as f:
         return sum(matrix_bytes(f.get_slice(key).get_shape(), dtype) for key in f.keys())

@@ -18,12 +18,12 @@ How the plan's fast memory is shared out (docs/runtime.md "Neuron store"): the p
 `min_cold_slots`) becomes the pool; the rest stay hot: the globally most frequent of the plan's hot
 neurons, as the plan's optimality argument asks. One pool rather than one cache per unit: decode computes
 one layer at a time, so the layer at hand can hold all its misses in one request (one read job per layer
-instead of a dozen, measured in docs/runtime.md). Resident MLP bytes = arena slots x bytes_per_neuron <=
+instead of a dozen). Resident MLP bytes = arena slots x bytes_per_neuron <=
 mlp.budget_bytes, checked.
 
 A token whose predicted neurons exceed a unit's `capacity` is computed in chunks; chunks taken in file order
 (sorted by `unit.position[neurons]`) turn each chunk's misses into a few long reads instead of many scattered
-ones (3.5x faster decode at 25 % on SmolLM2, docs/runtime.md "Neuron store").
+ones (docs/runtime.md "Neuron store").
 """
 
 import queue
@@ -322,6 +322,10 @@ def split_slots(plan: dict, ckpt: Path, cache_fraction: float, min_cold_slots: i
 
     counts = load_profile(ckpt)[0]["counts"]  # [L, E, I]
     layers, experts, width = counts.shape
+    if (len(plan["layers"]), plan["num_experts"], plan["intermediate_size"]) != (layers, experts, width):
+        raise SparseforgeError(f"the plan for {plan['fast_memory']} places {len(plan['layers'])} layers x {plan['num_experts']} experts x "
+                               f"{plan['intermediate_size']} neurons, the checkpoint's profile counts {layers} x {experts} x {width}; "
+                               f"make the plan again: sparseforge plan {ckpt} --fast-memory {plan['fast_memory']}")  # fmt: skip
     keys = [(i, e) for i in range(layers) for e in range(experts)]
     plan_hot = {}
     for row in plan["layers"]:

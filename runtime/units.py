@@ -84,7 +84,7 @@ def quantize_bundles(bundles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     Gate and up rows: symmetric per row (quantize_rows). Down columns are first divided by one scale per output
     channel, `channels` = max over the unit's neurons of |down[h, :]| / 127, then quantized per row: a dequantized
     down column is int8 row * row scale * channels. With one scale per down column alone, the residual stream's
-    few large channels set every column's scale and int8 cost 7 % perplexity on SmolLM2 (docs/runtime.md
+    few large channels would set every column's scale and crush the others (docs/runtime.md
     "Kernels: int8 down columns"); a zero channel gets scale 1."""
     b = bundles.float()
     top = b[:, 2].abs().amax(dim=0)

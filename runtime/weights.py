@@ -16,7 +16,6 @@ row of every matrix; 1-D tensors stay float32; the kernels quantize the inputs o
 of 32, runtime/kernels.py) — as docs/formats.md "plan.json" counts them.
 """
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from sparseforge.errors import SparseforgeError
+from sparseforge.files import open_safetensors, remedy
 from sparseforge.runtime import kernels
 from sparseforge.runtime.units import MLPUnit, ResidentUnit, convert_bundles, make_bundles, quantize_rows
 
@@ -33,21 +33,22 @@ SMALL_BATCH = 8  # rows up to which a reduced-precision Linear streams its weigh
 
 
 class WeightReader:
-    """Reads the checkpoint's tensors by name (single model.safetensors or shards + index), one at a time."""
+    """Reads the checkpoint's tensors by name (single model.safetensors or shards + index), one at a time; every
+    weight file is checked complete when the reader is made (sparseforge.checkpoint.weight_files)."""
 
     def __init__(self, ckpt: str | Path, weight_dtype: str):
         self.ckpt = Path(ckpt)
         if weight_dtype not in WEIGHT_DTYPES:
             raise SparseforgeError(f"unknown weight_dtype {weight_dtype!r}; use one of {', '.join(WEIGHT_DTYPES)}")
         self.weight_dtype = weight_dtype
-        index = self.ckpt / "model.safetensors.index.json"
-        if index.is_file():
-            self.files = {k: self.ckpt / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-        elif (self.ckpt / "model.safetensors").is_file():
-            with safe_open(str(self.ckpt / "model.safetensors"), framework="pt") as f:
-                self.files = dict.fromkeys(f.keys(), self.ckpt / "model.safetensors")
-        else:
+        from sparseforge.checkpoint import weight_files
+
+        if not any((self.ckpt / n).is_file() for n in ("model.safetensors.index.json", "model.safetensors")):
             raise SparseforgeError(f"{self.ckpt} has no model.safetensors (or index); pass a sparse checkpoint directory")
+        self.files = {}
+        for file in weight_files(self.ckpt):
+            with open_safetensors(file) as f:
+                self.files.update(dict.fromkeys(f.keys(), file))
 
     def has(self, name: str) -> bool:
         return name in self.files
@@ -55,7 +56,7 @@ class WeightReader:
     def get(self, name: str) -> torch.Tensor:
         """One tensor as stored."""
         if name not in self.files:
-            raise SparseforgeError(f"{self.ckpt} lacks weight {name!r}; is the checkpoint complete (sparseforge convert)?")
+            raise SparseforgeError(f"{self.ckpt} lacks weight {name!r}; {remedy(self.ckpt / 'model.safetensors')}")
         with safe_open(str(self.files[name]), framework="pt") as f:
             return f.get_tensor(name)
 

@@ -31,6 +31,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_tree(path: Path) -> None:
+    """Flush every file under directory `path` to disk (before the directory is renamed into place)."""
+    for file in Path(path).rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a new empty temporary file next to `path` for the caller (or a library: safetensors, gguf, a
@@ -74,10 +82,7 @@ def atomic_directory(out: str | Path, replace: bool = True) -> Iterator[Path]:
     tmp.mkdir()  # mode 0o777 & ~umask, like any mkdir
     try:
         yield tmp
-        for file in tmp.rglob("*"):
-            if file.is_file():
-                with open(file, "rb") as f:
-                    os.fsync(f.fileno())
+        fsync_tree(tmp)
         if out.exists() and replace:
             shutil.rmtree(out)
         try:

@@ -22,6 +22,7 @@ import torch
 from sparseforge.atomic import atomic_directory, atomic_write_text
 from sparseforge.errors import SparseforgeError
 from sparseforge.families import family_for
+from sparseforge.files import check_safetensors, damaged, open_safetensors, read_json, remedy, require_file
 
 SPARSITY_FORMAT_VERSION = 1
 # config.json `sparsity` fields that record where the weights came from and how long they trained: history, not
@@ -44,17 +45,18 @@ def write_artifact(ckpt: str | Path, name: str, data: dict, format_version: int)
     return path
 
 
-def read_artifact(ckpt: str | Path, name: str, format_version: int) -> dict:
-    """Read `<ckpt>/<name>.json`, checking that its format_version is the one this code reads."""
+def read_artifact(ckpt: str | Path, name: str, format_version: int, keys: tuple[str, ...] = ()) -> dict:
+    """Read `<ckpt>/<name>.json`, checking that it is complete JSON, that its format_version is the one this code
+    reads and that it has `keys`; SparseforgeError naming the file and the command that writes it otherwise."""
     path = Path(ckpt) / f"{name}.json"
-    if not path.is_file():
-        raise SparseforgeError(f"{path} does not exist; run the stage that writes {name}.json first")
-    data = json.loads(path.read_text())
+    data = read_json(path)
     if data.get("format_version") != format_version:
         raise SparseforgeError(
-            f"{path} has format_version {data.get('format_version')!r}, this sparseforge reads {format_version}; "
-            "re-run the stage that writes it with this version"
+            f"{path} has format_version {data.get('format_version')!r}, this sparseforge reads {format_version}; {remedy(path)}"
         )
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise damaged(path, f"lacks {', '.join(map(repr, missing))} (edited or written by another program)")
     return data
 
 
@@ -115,15 +117,74 @@ def save_sparse(model, tokenizer, out: str | Path, force: bool = False, card: st
     return out
 
 
-def load_sparse(path: str | Path, dtype=torch.float32):
-    """Load a sparse checkpoint with sparseforge's own copy of the classes it carries."""
-    config_path = Path(path) / "config.json"
-    raw = json.loads(config_path.read_text())
-    family = family_for(raw.get("model_type", "?"))
-    config_cls, model_cls = family.classes()
-    config = config_cls.from_pretrained(path)
+def load_config(ckpt: str | Path):
+    """The checked sparse config of checkpoint `ckpt`, as sparseforge's own config class of its family."""
+    path = Path(ckpt) / "config.json"
+    config_cls, _ = family_for(read_json(path).get("model_type", "?")).classes()
+    try:
+        config = config_cls.from_pretrained(ckpt)
+    except (ValueError, TypeError, KeyError) as e:  # JSON, but not a config of its model type
+        raise damaged(path, f"is corrupted ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
     sparsity_settings(config)
-    return model_cls.from_pretrained(path, config=config, dtype=dtype)
+    return config
+
+
+def load_sparse(path: str | Path, dtype=torch.float32):
+    """Load a sparse checkpoint with sparseforge's own copy of the classes it carries; a missing, truncated or
+    corrupted file (weights, config, tokenizer), or weights that do not fit config.json, is a SparseforgeError
+    naming the file."""
+    config = load_config(path)
+    check_weights(path, config)
+    check_tokenizer(path)
+    return family_for(config.model_type).classes()[1].from_pretrained(path, config=config, dtype=dtype)
+
+
+def check_tokenizer(ckpt: str | Path) -> None:
+    """The checkpoint's tokenizer files must be there (tokenizer.json, or a slow tokenizer's vocabulary) and parse."""
+    ckpt = Path(ckpt)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (ckpt / name).is_file():
+            read_json(ckpt / name)
+    if not any((ckpt / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        require_file(ckpt / "tokenizer.json")
+
+
+def check_weights(ckpt: str | Path, config) -> dict[str, list[int]]:
+    """Check that the checkpoint's weight files are complete and hold every tensor of the model `config`
+    describes, each with the shape it needs (the model is built on the meta device to know them).
+    Returns {tensor name: shape} of what is stored."""
+    files = weight_files(ckpt)
+    with torch.device("meta"):
+        want = {k: list(v.shape) for k, v in family_for(config.model_type).classes()[1](config).state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        want.pop("lm_head.weight", None)  # stored once, as the embedding
+    stored = {}
+    for file in files:
+        with open_safetensors(file) as f:
+            for key in f.keys():
+                stored[key] = got = list(f.get_slice(key).get_shape())
+                if key in want and got != want[key]:
+                    raise damaged(file, f"holds {key} of shape {got}, config.json says {want[key]}: the weights do not fit the config")
+    missing = sorted(set(want) - set(stored))
+    if missing:
+        where = files[0] if len(files) == 1 else Path(ckpt) / "model.safetensors.index.json"
+        more = f" and {len(missing) - 2} more" if len(missing) > 2 else ""
+        raise damaged(where, f"lacks {', '.join(missing[:2])}{more}, which config.json's model needs")
+    return stored
+
+
+def weight_files(ckpt: str | Path) -> list[Path]:
+    """The checkpoint's weight files (model.safetensors, or the shards its index lists), each checked complete."""
+    ckpt = Path(ckpt)
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise damaged(index, "lacks its weight_map")
+        names = sorted(set(weight_map.values()))
+    else:
+        names = ["model.safetensors"]
+    return [check_safetensors(ckpt / name) for name in names]
 
 
 _CARD_SOURCE = re.compile(r"^# \S+ conversion of `([^`]+)`", re.MULTILINE)  # sparsify.convert.model_card's title
@@ -133,7 +194,7 @@ def recorded_source(ckpt: str | Path) -> str:
     """The model spec the checkpoint was converted from: config.json sparsity.source if present, else the
     title convert writes into the model card ("# drelu conversion of `smollm2-135m`")."""
     ckpt = Path(ckpt)
-    sparsity = json.loads((ckpt / "config.json").read_text()).get("sparsity") or {}
+    sparsity = read_json(ckpt / "config.json").get("sparsity") or {}
     if sparsity.get("source"):
         return sparsity["source"]
     card = ckpt / "README.md"

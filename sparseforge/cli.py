@@ -1,12 +1,14 @@
 """The `sparseforge` command: one table of verbs, each registered by its stage's `cli.py`.
 
 Stage modules are imported only to build their subparser (they import torch lazily inside the
-command functions), so `sparseforge --help` stays fast. A SparseforgeError becomes one line on stderr
-and exit status 2; anything else is a bug and keeps its traceback.
+command functions), so `sparseforge --help` stays fast. A SparseforgeError, or a full disk, becomes one line
+on stderr and exit status 2; anything else is a bug and keeps its traceback.
 """
 
 import argparse
+import errno
 import importlib
+import os
 import sys
 
 from sparseforge import __version__
@@ -44,13 +46,31 @@ def quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_full(e: BaseException) -> bool:
+    """An OSError of a full disk (or quota, or file size limit), or a library's error wrapping one (safetensors and
+    torch writers report it in their message)."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return e.errno in DISK_FULL
+    return any(os.strerror(code) in str(e) for code in DISK_FULL)
+
+
 def run_command(func, args) -> int:
-    """Run one verb: SparseforgeError -> one line on stderr, exit 2."""
+    """Run one verb: SparseforgeError or a full disk -> one line on stderr, exit 2."""
     try:
         quiet_libraries()
         return func(args) or 0
     except SparseforgeError as e:
         print(f"sparseforge {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if not disk_full(e):
+            raise
+        what = str(e).strip().splitlines()[0]
+        print(f"sparseforge {args.command}: error: the disk is full ({what}); free some space and run the command again (files are "
+              "written under temporary names and renamed when complete, so nothing half-written was kept)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"sparseforge {args.command}: interrupted", file=sys.stderr)

@@ -52,7 +52,7 @@ def family_for(model_type: str) -> Family:
     for family in FAMILIES:
         if model_type in (family.base_model_type, family.sparse_model_type):
             return family
-    raise SparseforgeError(f"unsupported architecture model_type={model_type!r}; supported: {supported()}")
+    raise SparseforgeError(f"unsupported architecture {model_type} (the model_type in config.json); supported: {supported()}")
 
 
 def is_sparse(config) -> bool:

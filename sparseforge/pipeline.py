@@ -40,6 +40,7 @@ from pathlib import Path
 from sparseforge import summaries
 from sparseforge.atomic import atomic_write_text
 from sparseforge.errors import SparseforgeError
+from sparseforge.files import read_json
 
 RUN_FORMAT_VERSION = 1
 
@@ -68,7 +69,7 @@ class Run:
     def starts_sparse(self) -> bool:
         """The recipe's model is already a sparse checkpoint (e.g. a thresholded one): nothing to convert."""
         config = Path(self.recipe.model) / "config.json"
-        return config.is_file() and "sparsity" in json.loads(config.read_text())
+        return config.is_file() and "sparsity" in read_json(config)
 
     @property
     def converted(self) -> Path:
@@ -230,8 +231,8 @@ class Record:
         self.path = path
         self.stages = {}
         if path.is_file():
-            data = json.loads(path.read_text())
-            if data.get("format_version") != RUN_FORMAT_VERSION:
+            data = read_json(path, fix="delete it to re-run every stage")
+            if data.get("format_version") != RUN_FORMAT_VERSION or not isinstance(data.get("stages"), dict):
                 raise SparseforgeError(f"{path} has format_version {data.get('format_version')}; delete it to re-run every stage")
             self.stages = data["stages"]
 
@@ -374,5 +375,5 @@ def run_command(args) -> int:
         from sparseforge.eval.scorecard import markdown
 
         print()
-        print(markdown(json.loads(scorecard.read_text())))
+        print(markdown(read_json(scorecard)))
     return 0

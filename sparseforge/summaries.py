@@ -1,13 +1,14 @@
 """One-line summaries of what each pipeline stage wrote into a checkpoint, for `sparseforge run`'s table ("" when
 the stage's artifact is not there)."""
 
-import json
 from pathlib import Path
+
+from sparseforge.files import read_json
 
 
 def _json(ckpt: Path, name: str) -> dict:
     path = ckpt / name
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json(path) if path.is_file() else {}
 
 
 def _pct(x) -> str:
@@ -44,7 +45,7 @@ def predictors_eval(ckpt: Path) -> str:
 def plan(ckpt: Path) -> str:
     parts = []
     for path in sorted(ckpt.glob("plan*.json")):
-        plan = json.loads(path.read_text())
+        plan = read_json(path)
         parts.append(f"{plan.get('fast_memory')}: hit {_pct(plan.get('expected_hit_rate'))}")
     return ", ".join(parts)
 

@@ -21,6 +21,7 @@ from sparseforge.eval.hf_engine import HFEngine  # noqa: E402
 from sparseforge.predictors.fit import FittedUnit  # noqa: E402
 from sparseforge.predictors.model import LowRankPredictor  # noqa: E402
 from sparseforge.predictors.store import save_predictors  # noqa: E402
+from sparseforge.runtime.engine import Engine  # noqa: E402
 from sparseforge.sparsify.convert import convert_model  # noqa: E402
 
 CONTEXT = 48  # small, so long requests exercise left truncation and rolling windows
@@ -135,3 +136,43 @@ def test_runtime_engine_matches_transformers_in_every_mode(tmp_path, one_thread)
         scores[mode] = [g[0] for g in got]
     assert scores["oracle"] == pytest.approx(scores["dense"], abs=1e-3)  # dReLU zeros are exact: the oracle mask changes nothing
     assert max(abs(a - b) for a, b in zip(scores["sparse"], scores["oracle"])) > 1e-2  # predictor misses count
+
+
+BARE_CONFIG_NOTICE = "to instantiate a model of type ``"
+
+
+@pytest.fixture
+def transformers_warnings():
+    """Warnings transformers' configuration_utils logs, at warning verbosity (the CLI lowers it to errors)."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    records, level = [], hf_logging.get_verbosity()
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("transformers.configuration_utils")
+    hf_logging.set_verbosity_warning()
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+    hf_logging.set_verbosity(level)
+
+
+def test_sparse_checkpoints_load_without_the_bare_config_notice(tmp_path, transformers_warnings):
+    from transformers import AutoTokenizer
+
+    from sparseforge.sources import load_model, load_tokenizer
+
+    ckpt = tmp_path / "ckpt"
+    save_sparse(convert_model(tiny_model("llama"), "drelu"), tiny_tokenizer(), ckpt)
+    random_predictors(ckpt)
+    AutoTokenizer.from_pretrained(ckpt, local_files_only=True, trust_remote_code=False)  # what emits it: the capture sees it
+    assert any(BARE_CONFIG_NOTICE in m and "sparseforge_llama" in m for m in transformers_warnings)
+    transformers_warnings.clear()
+    load_model(str(ckpt))
+    load_tokenizer(str(ckpt))
+    Engine.load(str(ckpt), mode="oracle", progress=False)  # the runtime's own loader
+    for backend in ("runtime", "hf"):  # the lm-eval model
+        SparseforgeLM(pretrained=str(ckpt), mode="sparse", backend=backend, context=CONTEXT, progress=False)
+    assert not [m for m in transformers_warnings if BARE_CONFIG_NOTICE in m]

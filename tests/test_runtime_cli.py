@@ -2,6 +2,8 @@
 stop strings, the chat history and /reset, a disk-backed run, and one-line errors."""
 
 import io
+import json
+import shutil
 import sys
 
 import pytest
@@ -117,12 +119,45 @@ def test_chat_keeps_history_until_reset(ckpt, monkeypatch, capsys):
         (["--max-new-tokens", "0"], "--max-new-tokens must be positive"),
         (["--context", "8", "--max-new-tokens", "4"], "exceed --context 8"),
         (["--fast-memory", "1KB"], "below"),
+        (["--fast-memory", "0%"], "--fast-memory 0% leaves no room for the neuron cache"),
+        (["--mode", "screen", "--weight-dtype", "int8"], "--mode screen needs float weights (--weight-dtype float32"),
     ],
 )
 def test_bad_input_is_one_line(ckpt, capsys, extra, message):
     assert main(["generate", str(ckpt), "--prompt", PROMPT * 2, "--raw", "--no-progress", *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_sparse_mode_without_predictors_is_said_in_flags(ckpt, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("predictors.*"))
+    assert main(["generate", str(bare), "--prompt", PROMPT, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"sparseforge generate: error: --mode sparse needs the checkpoint's predictors and {bare} has none; train them with "
+                   f"`sparseforge predictors train {bare}`, or run without predictors: --mode screen, oracle or dense")  # fmt: skip
+
+
+def test_generate_says_why_nothing_was_generated(ckpt, tmp_path, capsys):
+    """A checkpoint whose end-of-text token is the first one greedy decoding picks: stdout is empty, stderr says why."""
+    ids = tiny_tokenizer()(PROMPT)["input_ids"]
+    first = next(iter(Engine.load(ckpt, mode="dense", context=64, progress=False).generate(ids, GenerationConfig(max_new_tokens=1))))
+    ends = tmp_path / "ends-at-once"
+    shutil.copytree(ckpt, ends)
+    (ends / "generation_config.json").write_text(json.dumps({"eos_token_id": first}))
+    assert main(["generate", str(ends), "--prompt", PROMPT, "--raw", "--mode", "dense", "--no-progress", "--context", "256"]) == 0
+    out, err = capsys.readouterr()
+    token = tiny_tokenizer().convert_ids_to_tokens(first)
+    assert out == "\n" and err.strip() == (
+        f"sparseforge generate: nothing to print: the model ended the text at once with its end-of-text token {token}; "
+        "try a longer or different prompt, --raw or --chat-template, sampling (--temperature 0.8), or --ignore-eos"
+    )
+    stop = expected_text(ckpt, ids, "dense", 4)[:2]  # a stop string the text begins with
+    assert main(["generate", str(ckpt), "--prompt", PROMPT, "--raw", "--mode", "dense", "--no-progress", "--context", "256", "--stop", stop]) == 0
+    out, err = capsys.readouterr()
+    assert out == "\n" and f"nothing to print: the text began with the stop string {stop!r}" in err
+    assert main(["generate", str(ckpt), "--prompt", PROMPT, "--raw", "--mode", "dense", "--no-progress", "--context", "256"]) == 0
+    assert "nothing to print" not in capsys.readouterr().err
 
 
 def test_chat_without_template_is_an_error(tmp_path, capsys):

@@ -1,1 +1,1 @@
-"""Stage 2, train: continued pretraining of a converted model on a web/code/math mixture (issue 3)."""
+"""Stage 2, train: continued pretraining of a converted model on a web/code/math mixture."""

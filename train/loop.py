@@ -7,21 +7,29 @@ Run directory (`output_dir`):
     layerwise.json       per-layer stats of layer-wise distillation (when enabled)
     state/step-NNNNNN/   resumable state: accelerate's (model, optimizer, scheduler, RNG) + data.json
     checkpoint/          the result: a sparse checkpoint, same contract as `sparseforge convert`
+
+A state is written under a temporary name and renamed when complete; its data.json, written last, lists the
+size of every file in it, and --resume takes the newest state whose files all match (a state cut short by a
+crash, a full disk or a half-finished deletion is skipped, never loaded).
 """
 
 import copy
 import json
 import math
 import os
+import secrets
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
 import yaml
 
+from sparseforge.atomic import fsync_tree
 from sparseforge.checkpoint import atomic_write_text, carry_source, save_sparse
 from sparseforge.errors import SparseforgeError
+from sparseforge.files import read_json
 from sparseforge.families import is_sparse
 from sparseforge.sources import load_model
 from sparseforge.sparsify.convert import convert_model, model_card
@@ -50,13 +58,14 @@ def _models(r: Recipe):
 
 class MetricsLog:
     """Append-only JSON Lines (main process only). A fresh run starts it empty (dropping what an attempt
-    that never saved a state wrote); a resumed run keeps the lines up to the resumed step."""
+    that never saved a state wrote); a resumed run keeps the lines up to the resumed step (and drops a line
+    an interrupted write left incomplete)."""
 
     def __init__(self, path: Path, enabled: bool, resume_step: int | None):
         self.path, self.enabled = path, enabled
         if enabled and path.exists():
-            lines = path.read_text().splitlines() if resume_step is not None else []
-            kept = [line for line in lines if json.loads(line).get("step", 0) <= resume_step]
+            lines = path.read_text(errors="replace").splitlines() if resume_step is not None else []
+            kept = [line for line in lines if (r := _record(line)) is not None and r.get("step", 0) <= resume_step]
             atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
@@ -65,24 +74,70 @@ class MetricsLog:
                 f.write(json.dumps(record) + "\n")
 
 
+def _record(line: str) -> dict | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _state_problem(state: Path) -> str | None:
+    """Why `state` cannot be resumed from (None: it is complete): data.json missing or damaged, or a file it
+    lists missing or of another size."""
+    try:
+        data = read_json(state / "data.json")
+    except SparseforgeError as e:
+        return str(e).split(";")[0]
+    if not isinstance(data.get("step"), int) or "mixture" not in data:
+        return "its data.json lacks the step or the data position"
+    for name, size in data.get("files", {}).items():  # states of older versions list none
+        path = state / name
+        if not path.is_file() or path.stat().st_size != size:
+            return f"{name} is {'missing' if not path.is_file() else f'{path.stat().st_size:,} bytes, not {size:,}'}"
+    return None
+
+
 def _latest_state(state_dir: Path) -> Path | None:
-    steps = sorted(p for p in state_dir.glob("step-*") if (p / "data.json").is_file())
-    return steps[-1] if steps else None
+    """The newest complete state under `state_dir` (incomplete ones are reported and skipped)."""
+    for state in sorted(state_dir.glob("step-*"), reverse=True):
+        problem = _state_problem(state)
+        if problem is None:
+            return state
+        print(f"sparseforge train: skipping incomplete state {state}: {problem}", file=sys.stderr)
+    return None
+
+
+def _remove(path: Path) -> None:
+    """Delete a directory so that an interruption never leaves part of it under its own name."""
+    doomed = path.parent / f".{path.name}.tmp-removed-{secrets.token_hex(4)}"
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _save_state(accelerator, state_dir: Path, step: int, mixture, keep: int) -> None:
+    """Write state/step-<step> (temporary name, data.json with every file's size last, rename); keep the newest
+    `keep` states."""
     final = state_dir / f"step-{step:06d}"
-    tmp = state_dir / f".tmp-step-{step:06d}"
+    if final.is_dir() and _state_problem(final) is None:
+        return  # resumed at this very step: the state on disk is this one
+    tmp = state_dir / f".{final.name}.tmp-save"  # one name all processes agree on
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in state_dir.glob(".*.tmp-*"):  # what an interrupted save or deletion left
+            shutil.rmtree(stale, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()  # every process's files are in before the state is declared complete
     if accelerator.is_main_process:
-        (tmp / "data.json").write_text(json.dumps({"step": step, "mixture": mixture.state_dict()}))
-        shutil.rmtree(final, ignore_errors=True)
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        (tmp / "data.json").write_text(json.dumps({"step": step, "mixture": mixture.state_dict(), "files": files}))
+        fsync_tree(tmp)
+        if final.exists():
+            _remove(final)
         os.replace(tmp, final)  # a state directory is complete or absent
-        for old in sorted(state_dir.glob("step-*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        others = sorted(p for p in state_dir.glob("step-*") if p != final)  # newer ones are incomplete ones resume skipped
+        for old in others[: max(0, len(others) + 1 - keep)]:
+            _remove(old)
     accelerator.wait_for_everyone()
 
 
@@ -175,7 +230,7 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
         atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(r.to_dict(), sort_keys=False))
     if r.report_to:
         accelerator.init_trackers("sparseforge", config=r.to_dict())
-    resume_step = json.loads((latest / "data.json").read_text())["step"] if latest else None
+    resume_step = read_json(latest / "data.json")["step"] if latest else None
     log = MetricsLog(run_dir / "metrics.jsonl", main, resume_step)
 
     model, tokenizer, teacher = _models(r)
@@ -223,7 +278,7 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     step = 0
     if latest is not None:
         accelerator.load_state(str(latest))
-        mixture.load_state_dict(json.loads((latest / "data.json").read_text())["mixture"])
+        mixture.load_state_dict(read_json(latest / "data.json")["mixture"])
         step = resume_step
         accelerator.print(f"resumed from {latest} at step {step}")
     else:
@@ -295,8 +350,8 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     bar.close()
     hooks.remove()
     checkpoint = _write_checkpoint(accelerator, objective, tokenizer, r, run_dir, step * tokens_per_step)
-    if main and not r.keep_final_state:  # the checkpoint is complete: the optimizer states are only disk now
-        shutil.rmtree(state_dir, ignore_errors=True)
+    if main and not r.keep_final_state and state_dir.exists():  # the checkpoint is complete: the states are only disk now
+        _remove(state_dir)
     accelerator.wait_for_everyone()
     return checkpoint
 

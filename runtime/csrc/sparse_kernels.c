@@ -16,6 +16,8 @@
  *                  makes the activation zero skips reading its up row and down column, one whose
  *                  activation is zero skips its down column; counts[0], counts[1] report how many
  *                  up rows and down columns were read (so the engine counts the bytes it touched).
+ *   sf_mlp_screen  ids of the neurons an int8 copy of the gate (and up) rows cannot prove zero, with a rigorous bound
+ *                  on each row's error (runtime/screen.py): sf_sparse_mlp over them equals it over every neuron
  *   sf_gated_act   the dense mode's activation of one row (gate and up from one stacked matvec)
  *   sf_attention_decode  a whole attention block for one row at one position (norms, qkv, RoPE, KV-cache
  *                  write, GQA attention, o projection, residual).
@@ -788,6 +790,78 @@ int sf_sparse_mlp(const void *bundles, const float *scales, const float *channel
     return rc;
 }
 
+/* ---- the neurons of a ReLU-family MLP that an int8 screen cannot prove zero (runtime/screen.py) ----
+ * Per screened matrix (gate, and for dReLU up) of a unit: Q [inter, hidden] int8 with row scales s, radius r and
+ * norm n (float32 [inter], rounded up at load) such that for any float evaluation g of w . x (w the row the sparse
+ * kernel reads, x float32)
+ *     g <= s d (Q . q) + r |x|_2 + n |x - d q|_2
+ * where x is rounded to int16 with one scale d (quantize_q16) and Q . q is summed exactly in integers. A neuron is
+ * proven zero when that bound makes its gate kill the activation (gate_kills) or, for dReLU with up tables, makes
+ * up <= 0: the sparse kernel would compute it as zero. ids (int64 [inter]) receives the other neurons, ascending;
+ * returns their count; *up_rows += the up rows screened (those of the neurons the gate did not prove zero). */
+/* gate_kills for every float gate value g <= hi (compared in double: no rounding of hi) */
+static SF_INLINE int bound_kills(int act, double hi, float t) {
+    switch (act) {
+    case ACT_RELU: case ACT_DRELU: return hi <= 0.0;
+    case ACT_SHIFTED_RELU: case ACT_FATRELU: return hi <= (double)t;
+    default: return 0;
+    }
+}
+
+static SF_INLINE void screen_pass(const int8_t *Q, const float *s, const float *r, const float *nrm, int64_t hidden, const int64_t *rows,
+                                  int64_t m, const int16_t *xq, double d, double xl2, double dl2, int act, float t, int up, char *keep,
+                                  int nthreads) {
+#pragma omp parallel for schedule(guided) num_threads(threads_for(nthreads, m))
+    for (int64_t k0 = 0; k0 < m; k0 += 4) {
+        const int8_t *w[4];
+        const char *next[4] = {NULL, NULL, NULL, NULL};
+        for (int j = 0; j < 4; j++) {
+            int64_t a = k0 + j < m ? k0 + j : k0, b = k0 + 4 + j < m ? k0 + 4 + j : k0 + 4;  /* a short block repeats its first row */
+            w[j] = Q + (rows ? rows[a] : a) * hidden;
+            if (k0 + 4 < m) next[j] = (const char *)(Q + (rows ? rows[b] : b) * hidden);
+        }
+        int64_t o[4];
+        dot4_i8i16(w[0], w[1], w[2], w[3], xq, hidden, o, k0 + 4 < m ? next : NULL);
+        for (int j = 0; j < 4 && k0 + j < m; j++) {
+            int64_t i = rows ? rows[k0 + j] : k0 + j;
+            double approx = (double)s[i] * d * (double)o[j], bound = (double)r[i] * xl2 + (double)nrm[i] * dl2;
+            double hi = approx + bound + 1e-9 * (fabs(approx) + bound);  /* the double products' rounding, generously */
+            keep[k0 + j] = !(up ? hi <= 0.0 : bound_kills(act, hi, t));  /* NaN keeps the neuron */
+        }
+    }
+}
+
+int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const float *gn, const int8_t *uq, const float *us, const float *ur,
+                      const float *un, int64_t inter, int64_t hidden, const float *x, int act, float t, int64_t *ids, int64_t *up_rows,
+                      int nthreads) {
+    if (inter <= 0) return 0;
+    int16_t xq[hidden];
+    float df;
+    quantize_q16(x, hidden, xq, &df);
+    double ss = 0.0, ds = 0.0, d = df;
+    for (int64_t i = 0; i < hidden; i++) {
+        double e = (double)x[i] - d * xq[i];
+        ss += (double)x[i] * x[i], ds += e * e;
+    }
+    const double xl2 = sqrt(ss) * (1.0 + 1e-9), dl2 = sqrt(ds) * (1.0 + 1e-9);
+    char *keep = malloc((size_t)inter);
+    if (!keep) return -1;
+    screen_pass(gq, gs, gr, gn, hidden, NULL, inter, xq, d, xl2, dl2, act, t, 0, keep, nthreads);
+    int64_t n = 0;
+    for (int64_t i = 0; i < inter; i++)
+        if (keep[i]) ids[n++] = i;
+    if (uq && n) {
+        *up_rows += n;
+        screen_pass(uq, us, ur, un, hidden, ids, n, xq, d, xl2, dl2, act, t, 1, keep, nthreads);
+        int64_t m = 0;
+        for (int64_t k = 0; k < n; k++)
+            if (keep[k]) ids[m++] = ids[k];
+        n = m;
+    }
+    free(keep);
+    return n;
+}
+
 static void rms_norm(const float *x, const float *w, float eps, int64_t n, float *out) {
     double ss = 0.0;  /* the mean of squares in double: one value per row, cheap, and close to torch's */
     for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
@@ -855,8 +929,8 @@ void sf_rms_norm(const float *x, const float *w, float eps, int64_t n, float *ou
  * The per-layer arguments of a fully resident, single-unit model (runtime/decode.py builds them once at load,
  * as ctypes.Structure SfLayer with these fields in this order). Per layer: the attention block, then the MLP
  * added into x: dense (gate_up != NULL: sf_matvec gate_up, sf_gated_act, sf_matvec down with x as the bias) or
- * the sparse kernel over `ids` (fc1 != NULL: the predictor's ids first, from the residual after attention; else
- * `ids` holds every neuron). Calling this once per token instead of two or three ctypes calls per layer from
+ * the sparse kernel over `ids` (fc1 != NULL: the predictor's ids first, from the residual after attention; sg_q !=
+ * NULL: the screen's ids first, from the MLP input; else `ids` holds every neuron). Calling this once per token instead of two or three ctypes calls per layer from
  * Python took 0.3-0.6 ms off every token, 0.5 ms of an int8 token's 5.2 (docs/runtime.md "Kernels: one call per token"). */
 typedef struct {
     const float *in_norm, *post_norm;
@@ -882,6 +956,10 @@ typedef struct {
     const float *b_scales, *channels;
     int64_t b_dtype, inter, act;
     float p_threshold, act_threshold;
+    const int8_t *sg_q;  /* the exact screen (sf_mlp_screen) when not NULL and fc1 is NULL: gate, then up (NULL: none) */
+    const float *sg_s, *sg_r, *sg_n;
+    const int8_t *su_q;
+    const float *su_s, *su_r, *su_n;
 } sf_layer;
 
 static double seconds_now(void) {
@@ -893,8 +971,8 @@ static double seconds_now(void) {
 /* Every layer of one decode step for one row at position pos, then out = rms_norm(x) * final_norm (the lm_head's
  * input). k_cache, v_cache: layer 0's [kv_heads, context, hd] of this row, layer i at + i * layer_stride floats.
  * counts[0..1]: the sparse kernel's up rows and down columns read (added to); stats[0] += neurons computed by the
- * sparse kernel, stats[1] += neurons the dense activation fired; seconds[0..2] += wall time in attention blocks,
- * predictors and MLPs. Returns 0, or -1 when the sparse kernel could not allocate its lists (x is then partly
+ * sparse kernel, stats[1] += neurons the dense activation fired, stats[2] += up rows the screen read; seconds[0..2] +=
+ * wall time in attention blocks, predictors or screens, and MLPs. Returns 0, or -1 when the sparse kernel could not allocate its lists (x is then partly
  * updated: the step must be discarded). */
 int sf_decode_layers(const sf_layer *layers, int64_t n_layers, float *x, float *xn, const float *final_norm, float *out, float eps,
                      int64_t hidden, const float *cos, const float *sin, float *k_cache, float *v_cache, int64_t layer_stride,
@@ -916,6 +994,11 @@ int sf_decode_layers(const sf_layer *layers, int64_t n_layers, float *x, float *
             if (L->fc1) {
                 n = sf_predict(L->fc1, L->s1, L->fc2t, L->s2, (int)L->p_dtype, L->rank, hidden, L->inter, x, L->p_threshold, L->ids,
                                L->p_scratch, nthreads);
+                t2 = seconds_now();
+            } else if (L->sg_q) {
+                n = sf_mlp_screen(L->sg_q, L->sg_s, L->sg_r, L->sg_n, L->su_q, L->su_s, L->su_r, L->su_n, L->inter, hidden, xn, (int)L->act,
+                                  L->act_threshold, L->ids, stats + 2, nthreads);
+                if (n < 0) return -1;
                 t2 = seconds_now();
             }
             if (sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, n, xn, (int)L->act, L->act_threshold,

@@ -1,0 +1,187 @@
+"""The screen mode (runtime/screen.py): its bound never drops a neuron the exact mask keeps, and the engine in screen
+mode gives the oracle's logits and greedy tokens while reading fewer bytes than oracle and dense."""
+
+import pytest
+import torch
+from tiny import profiled_checkpoint, tiny_model, tiny_tokenizer
+
+from sparseforge.checkpoint import save_sparse
+from sparseforge.errors import SparseforgeError
+from sparseforge.runtime import kernels
+from sparseforge.runtime.engine import Engine, GenerationConfig
+from sparseforge.runtime.screen import screen_native, screen_torch, unit_screen
+from sparseforge.runtime.store import tiered_units
+from sparseforge.sparsify.convert import convert_model
+from sparseforge.sparsify.hf_code.modeling_sparseforge import GatedActivation
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NATIVE = [True, False] if kernels.native() is not None else [False]
+needs_native = pytest.mark.skipif(kernels.native() is None, reason="native kernels did not build")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """activation/family -> (HF model, checkpoint dir)."""
+    root = tmp_path_factory.mktemp("screen")
+    out = {}
+    for name, family, act in (("llama", "llama", "drelu"), ("mixtral", "mixtral", "drelu"), ("relu", "llama", "relu")):
+        model = convert_model(tiny_model(family), act)
+        save_sparse(model, tiny_tokenizer(), root / name)
+        out[name] = (model, root / name)
+    return out
+
+
+def _ids(n=2, t=12, seed=0):
+    return torch.randint(0, 300, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(engine, ids, split):
+    """Prefill ids[:, :split], then one token at a time: logits [B, T, V]."""
+    cache = engine.new_cache(ids.shape[0])
+    parts = [engine.forward(ids[:, :split], cache)]
+    parts += [engine.forward(ids[:, t : t + 1], cache) for t in range(split, ids.shape[1])]
+    return torch.cat(parts, dim=1)
+
+
+def _rows(rows: int, cols: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """Random rows with a few large weights and a spread of row scales, in `dtype`."""
+    w = torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g).mul(2).add(0.05)
+    w[torch.rand(rows, cols, generator=g) < 0.01] *= 8
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind,threshold", [("drelu", 0.0), ("relu", 0.0), ("shifted_relu", 0.1), ("fatrelu", 0.1),
+                                            ("drelu", 0.05)])  # fmt: skip
+def test_screen_never_drops_a_neuron_the_exact_mask_keeps(dtype, kind, threshold):
+    g = torch.Generator().manual_seed(0)
+    act = GatedActivation(kind, threshold)
+    hidden = 72  # not a multiple of 16: the integer dot's tail
+    kept, total = 0, 0
+    for trial in range(6):
+        gate, up = _rows(203, hidden, dtype, g), _rows(203, hidden, dtype, g)
+        screen = unit_screen(gate, up, act)
+        x = torch.randn(16, hidden, generator=g) * (10.0 ** (trial - 3))
+        x[:, trial] *= 30  # an outlier channel, as the residual stream has
+        x[0] = 0.0
+        gf, uf = x @ gate.float().T, x @ up.float().T  # [N, I] the float evaluations the engine's kernels make
+        gd, ud = (x.double() @ gate.double().T), (x.double() @ up.double().T)
+        must = [act(gf, uf) != 0, act(gd.float(), ud.float()) != 0]  # nonzero under either evaluation
+        keep, _ = screen_torch(screen, x)
+        for m in must:
+            assert not (m & ~keep).any()
+        if kernels.native() is not None:
+            for r in range(x.shape[0]):
+                ids, nbytes = screen_native(screen, x[r].contiguous(), 1)
+                mask = torch.zeros(203, dtype=torch.bool).index_fill_(0, ids, True)
+                assert not any((m[r] & ~mask).any() for m in must)
+                assert torch.equal(ids, ids.sort().values)
+                assert nbytes >= 203 * screen.row_bytes
+        kept, total = kept + int(keep.sum()), total + keep.numel()
+    assert kept < 0.8 * total  # and it proves a real share of them zero
+
+
+def test_screen_keeps_a_gate_whose_int8_copy_points_the_other_way():
+    """x aligned with a row's rounding error: the int8 dot is -0.99 times the error's, the true gate slightly positive.
+    Cauchy-Schwarz is nearly tight there; a radius much under |w - s Q|_2 drops the neuron."""
+    g = torch.Generator().manual_seed(2)
+    gate = _rows(40, 96, torch.float32, g)
+    screen = unit_screen(gate, gate.clone(), GatedActivation("relu"))
+    w_hat = screen.gate.q.double() * screen.gate.scales.double()[:, None]
+    for i in range(40):
+        e, wh = gate[i].double() - w_hat[i], w_hat[i]
+        alpha = (wh @ e / e.norm() + 0.99 * e.norm()) / (wh @ wh + 0.99 * (wh @ e))
+        x = (e / e.norm() - alpha * wh).float()[None]  # wh . x = -0.99 e . x
+        assert float(x @ gate[i]) > 0
+        keep, _ = screen_torch(screen, x)
+        assert keep[0, i]
+        if kernels.native() is not None:
+            assert i in screen_native(screen, x[0].contiguous(), 1)[0].tolist()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sparse_kernel_over_the_kept_neurons_equals_it_over_all(dtype):
+    g = torch.Generator().manual_seed(1)
+    hidden, inter = 64, 160
+    gate, up, down = _rows(inter, hidden, dtype, g), _rows(inter, hidden, dtype, g), _rows(hidden, inter, dtype, g)
+    bundles = torch.stack([gate, up, down.T], dim=1).contiguous()
+    act = GatedActivation("drelu")
+    screen = unit_screen(gate, up, act)
+    for _ in range(10):
+        x = torch.randn(hidden, generator=g)
+        ids, _ = screen_native(screen, x, 1)
+        y_all, y_kept = torch.zeros(hidden), torch.zeros(hidden)
+        c_all, c_kept = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+        kernels.sparse_mlp_native(bundles, None, None, torch.arange(inter), x, act, y_all, 1.0, c_all, 1)
+        kernels.sparse_mlp_native(bundles, None, None, ids, x, act, y_kept, 1.0, c_kept, 1)
+        torch.testing.assert_close(y_kept, y_all, rtol=1e-5, atol=1e-5)
+        assert c_kept[1] == c_all[1]  # the same neurons fired
+        assert ids.numel() < inter
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral", "relu"])
+def test_screen_logits_equal_the_oracle_and_the_hf_model(ckpts, name):
+    model, ckpt = ckpts[name]
+    ids = _ids(t=10)
+    with torch.no_grad():
+        ref = model(ids).logits
+    for native in NATIVE:
+        oracle = Engine.load(ckpt, mode="oracle", context=32, progress=False, native=native)
+        screen = Engine.load(ckpt, mode="screen", context=32, progress=False, native=native)
+        want = _logits(oracle, ids[1:], 3)
+        got = _logits(screen, ids[1:], 3)  # batch 1: the row decoder
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(got, ref[1:], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(_logits(screen, ids, 3), ref, atol=2e-5, rtol=1e-4)  # two rows: the PyTorch screen
+        assert screen.stats()["neurons_computed_fraction"] < 0.9
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
+def test_screen_greedy_tokens_equal_the_oracle(ckpts, weight_dtype):
+    _, ckpt = ckpts["llama"]
+    prompt = tiny_tokenizer()("The quick brown fox jumps")["input_ids"]
+    config = GenerationConfig(max_new_tokens=24)
+    for native in NATIVE:
+        runs = {}
+        for mode in ("oracle", "screen"):
+            engine = Engine.load(ckpt, mode=mode, weight_dtype=weight_dtype, context=64, progress=False, native=native)
+            runs[mode] = list(engine.generate(prompt, config))
+        assert runs["screen"] == runs["oracle"]
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "float16"])
+def test_screen_reads_fewer_bytes_than_oracle_and_dense(ckpts, weight_dtype):
+    _, ckpt = ckpts["llama"]
+    prompt = tiny_tokenizer()("Sparse activations let a runtime skip")["input_ids"]
+    stats = {}
+    for mode in ("dense", "oracle", "screen"):
+        engine = Engine.load(ckpt, mode=mode, weight_dtype=weight_dtype, context=64, progress=False)
+        list(engine.generate(prompt, GenerationConfig(max_new_tokens=8)))
+        stats[mode] = engine.stats()
+    s = stats["screen"]
+    bytes_per_token = {mode: st["bytes_touched_per_decode_token"] for mode, st in stats.items()}
+    assert bytes_per_token["screen"] < bytes_per_token["oracle"] < bytes_per_token["dense"]
+    assert s["neurons_fired_fraction"] == pytest.approx(stats["oracle"]["neurons_fired_fraction"], abs=1e-9)
+    assert s["neurons_fired_fraction"] <= s["neurons_computed_fraction"] < 1.0
+    assert s["resident_weight_bytes"] > stats["oracle"]["resident_weight_bytes"]  # the int8 gate and up copies
+
+
+def test_screen_over_disk_backed_units_equals_the_resident_screen(tmp_path):
+    ckpt, _, _ = profiled_checkpoint(tmp_path, "llama")
+    prompt = tiny_tokenizer()("The quick brown fox jumps")["input_ids"]
+    config = GenerationConfig(max_new_tokens=12)
+    want = list(Engine.load(ckpt, mode="screen", context=64, progress=False).generate(prompt, config))
+    with tiered_units(ckpt, "20%", "float32", context=64, min_cold_slots=16, progress=False) as store:
+        disk = Engine.load(ckpt, mode="screen", context=64, units=store, progress=False)
+        assert list(disk.generate(prompt, config)) == want
+        assert disk.stats()["neurons_computed_fraction"] < 1.0
+
+
+def test_screen_needs_float_weights_and_a_relu_family_activation(ckpts, tmp_path):
+    _, ckpt = ckpts["llama"]
+    with pytest.raises(SparseforgeError, match="float weights"):
+        Engine.load(ckpt, mode="screen", weight_dtype="int8", progress=False)
+    save_sparse(convert_model(tiny_model("llama"), "silu"), tiny_tokenizer(), tmp_path / "silu")
+    with pytest.raises(SparseforgeError, match="silu"):
+        Engine.load(tmp_path / "silu", mode="screen", progress=False)
