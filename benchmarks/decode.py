@@ -370,7 +370,8 @@ def run(args) -> None:
             if c.prompt_tokens != len(ids):
                 notes.append(f"{c.name}: tokenized the prompt text into {c.prompt_tokens} tokens, not {len(ids)}; prefill rate is its own")
     for row in rows:
-        sparse = next((s for s in rows if s["precision"] == row["precision"] and s["engine"] == "sparseforge sparse"), None)
+        same = [s for s in rows if s["precision"] == row["precision"]]  # the reference: the sparse row, screened head if run
+        sparse = next((s for name in ("sparseforge sparse", "sparseforge sparse (full head)") for s in same if s["engine"] == name), None)
         row["sparse_speedup"] = sparse["decode_tps"] / row["decode_tps"] if sparse and row["decode_tps"] else None
         # the same ratio taken within each repetition (neighbours in time), then the median: robust to load drift
         row["sparse_speedup_paired"] = median([a / b for a, b in zip(sparse["decode_all"], row["decode_all"])]) if sparse else None

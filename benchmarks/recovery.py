@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     else:
         model, tokenizer, _ = load_model(base.model, dtype="float32")
         result["rows"].append({"name": "original", "key": key, **validation(base, tokenizer, model), "scores": score_model(model, tokenizer, spec["score"], task_dir)})
-    _write(out, result)
+    _write(out, result, spec, done)
     only = set(args.only.split(",")) if args.only else None
     for row in spec["rows"]:
         overrides = list(spec.get("common", [])) + list(row.get("set", [])) + [f"output_dir={work / row['name']}"]
@@ -158,14 +158,21 @@ def main(argv=None) -> int:
                                "trained_tokens": model.config.sparsity.get("trained_tokens", 0),
                                "layerwise_tokens": model.config.sparsity.get("layerwise_tokens", 0),
                                **validation(recipe, tokenizer, model), "scores": score_model(model, tokenizer, spec["score"], task_dir)})
-        _write(out, result)
+        _write(out, result, spec, done)
         print(table(result), flush=True)
     print(table(result))
     return 0
 
 
-def _write(out: Path, result: dict) -> None:
+def _write(out: Path, result: dict, spec: dict, done: dict) -> None:
+    """Write the rows measured so far; rows not reached yet keep their previous result, so an interrupted run loses nothing."""
     from sparseforge.checkpoint import atomic_write_text
+
+    measured = {row["name"] for row in result["rows"]}
+    names = ["original"] + [row["name"] for row in spec["rows"]]
+    rows = {row["name"]: row for row in result["rows"]}
+    rows.update({n: done[n] for n in names if n not in measured and n in done})
+    result = {**result, "rows": [rows[n] for n in names if n in rows]}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out.with_suffix(".json"), json.dumps(result, indent=1) + "\n")
