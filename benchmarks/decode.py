@@ -69,7 +69,8 @@ class Sparseforge:
         self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False,
                                   predictor_dtype=predictor_dtype, head_screen=None if head_screen else False)  # fmt: skip
         self.name = {"oracle": "sparseforge oracle (exact masks)", "screen": "sparseforge screen (exact masks, int8 screen)"}.get(mode, f"sparseforge {mode}")
-        if not head_screen and self.engine.model.weights.lm_head.weight.dtype != torch.int8:
+        self.mode, self.full_head = mode, not head_screen and self.engine.model.weights.lm_head.weight.dtype != torch.int8
+        if self.full_head:
             self.name += " (full head)"
         self.bytes, self.sampling = [], sampling or {}
 
@@ -361,7 +362,8 @@ def run(args) -> None:
         rows.append({"precision": prec, "engine": c.name, "decode_tps": decode, "prefill_tps": args.prompt_tokens / prefill_s,
                      "bytes_per_token": bpt, "mb_per_token": bpt / 1e6 if bpt else None,
                      "roofline": bpt * decode / (bandwidth["read_gbs"] * 1e9) if bpt and decode else None,
-                     "neurons_computed": getattr(c, "computed", None), "neurons_fired": getattr(c, "fired", None), "decode_all": [x[1] for x in r]})  # fmt: skip
+                     "neurons_computed": getattr(c, "computed", None), "neurons_fired": getattr(c, "fired", None), "decode_all": [x[1] for x in r],
+                     "mode": getattr(c, "mode", None), "full_head": getattr(c, "full_head", None)})  # fmt: skip
         if isinstance(c, PowerInfer):
             rows[-1].update(powerinfer_prompt_tokens=c.prompt_tokens, powerinfer_weight_bytes=c.weight_bytes)
             dense = c.weight_bytes and (c.weight_bytes + kv_bytes(ckpt, args.prompt_tokens + args.new_tokens // 2, 2)) / 1e6
@@ -370,8 +372,8 @@ def run(args) -> None:
             if c.prompt_tokens != len(ids):
                 notes.append(f"{c.name}: tokenized the prompt text into {c.prompt_tokens} tokens, not {len(ids)}; prefill rate is its own")
     for row in rows:
-        same = [s for s in rows if s["precision"] == row["precision"]]  # the reference: the sparse row, screened head if run
-        sparse = next((s for name in ("sparseforge sparse", "sparseforge sparse (full head)") for s in same if s["engine"] == name), None)
+        # the reference: this precision's sparseforge sparse row, the one through the head screen when both ran
+        sparse = min((s for s in rows if s["precision"] == row["precision"] and s["mode"] == "sparse"), key=lambda s: s["full_head"], default=None)
         row["sparse_speedup"] = sparse["decode_tps"] / row["decode_tps"] if sparse and row["decode_tps"] else None
         # the same ratio taken within each repetition (neighbours in time), then the median: robust to load drift
         row["sparse_speedup_paired"] = median([a / b for a, b in zip(sparse["decode_all"], row["decode_all"])]) if sparse else None

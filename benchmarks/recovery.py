@@ -131,12 +131,9 @@ def main(argv=None) -> int:
         if row.get("start"):
             overrides += [f"model={work / row['start'] / 'checkpoint'}", f"teacher={base.model}", "layerwise_tokens=0"]
         key = _row_key(spec["recipe"], overrides, spec["score"])
-        if only is not None and row["name"] not in only:  # not asked for: kept as it is, or left out if never run
-            if row["name"] in done:
-                result["rows"].append(done[row["name"]])
+        if only is not None and row["name"] not in only:  # not asked for: _write keeps its previous result, if any
             continue
         if only is None and done.get(row["name"], {}).get("key") == key:
-            result["rows"].append(done[row["name"]])
             continue
         recipe = load_recipe(spec["recipe"], overrides)
         ckpt = Path(recipe.output_dir) / "checkpoint"
@@ -158,25 +155,24 @@ def main(argv=None) -> int:
                                "trained_tokens": model.config.sparsity.get("trained_tokens", 0),
                                "layerwise_tokens": model.config.sparsity.get("layerwise_tokens", 0),
                                **validation(recipe, tokenizer, model), "scores": score_model(model, tokenizer, spec["score"], task_dir)})
-        _write(out, result, spec, done)
-        print(table(result), flush=True)
-    print(table(result))
+        print(table(_write(out, result, spec, done)), flush=True)
+    print(table(_write(out, result, spec, done)))
     return 0
 
 
-def _write(out: Path, result: dict, spec: dict, done: dict) -> None:
-    """Write the rows measured so far; rows not reached yet keep their previous result, so an interrupted run loses nothing."""
+def _write(out: Path, result: dict, spec: dict, done: dict) -> dict:
+    """Write the rows measured in this run, every other row of the spec with its previous result (rows skipped, not asked
+    for or not reached yet: an interrupted run loses nothing), in the spec's order; returns what was written."""
     from sparseforge.checkpoint import atomic_write_text
 
-    measured = {row["name"] for row in result["rows"]}
     names = ["original"] + [row["name"] for row in spec["rows"]]
-    rows = {row["name"]: row for row in result["rows"]}
-    rows.update({n: done[n] for n in names if n not in measured and n in done})
+    rows = {n: done[n] for n in names if n in done} | {row["name"]: row for row in result["rows"]}
     result = {**result, "rows": [rows[n] for n in names if n in rows]}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out.with_suffix(".json"), json.dumps(result, indent=1) + "\n")
     atomic_write_text(out.with_suffix(".md"), table(result))
+    return result
 
 
 def table(result: dict) -> str:

@@ -1,0 +1,34 @@
+"""benchmarks/recovery.py's results file: every write keeps the previous result of each row this run has not
+measured (not asked for, or not reached yet), in the rows file's order."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _recovery():
+    spec = importlib.util.spec_from_file_location("bench_recovery", ROOT / "benchmarks" / "recovery.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(name: str, loss: float) -> dict:
+    return {"name": name, "val_loss": {"web": loss}, "mlp_zero_fraction": 0.75, "scores": {"piqa": {"acc": 0.5}}}
+
+
+def test_a_partial_run_keeps_the_rows_it_has_not_measured(tmp_path):
+    rec = _recovery()
+    spec = {"recipe": "r.yaml", "score": {"piqa": 10}, "rows": [{"name": n} for n in ("a", "b", "c")]}
+    done = {n: _row(n, 1.0) for n in ("original", "a", "b", "c")}
+    result = {"command": "python benchmarks/recovery.py rows.yaml --only b", "spec": spec, "rows": [done["original"], _row("b", 2.0)]}
+    written = rec._write(tmp_path / "out", result, spec, done)
+    on_disk = json.loads((tmp_path / "out.json").read_text())
+    assert on_disk == written
+    assert [(r["name"], r["val_loss"]["web"]) for r in on_disk["rows"]] == [("original", 1.0), ("a", 1.0), ("b", 2.0), ("c", 1.0)]
+    assert (tmp_path / "out.md").read_text() == rec.table(written)
+    # a row never measured before and not reached now is left out, not invented
+    partial = rec._write(tmp_path / "out", result, spec, {"original": done["original"]})
+    assert [r["name"] for r in partial["rows"]] == ["original", "b"]
