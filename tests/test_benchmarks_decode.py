@@ -2,15 +2,14 @@
 up front, and (when POWERINFER_BIN and POWERINFER_F16_GGUF name a real build and GGUF) one real run of the binary."""
 
 import argparse
-import importlib.util
 import os
 from pathlib import Path
 
 import pytest
+from scripts import load_script
 
 from sparseforge.errors import SparseforgeError
 
-DECODE = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
 
 # stderr lines of PowerInfer's main (commit d3ebd7c5) on an F16 GGUF of the dReLU SmolLM2-135M, -n 16
 LOG = """llm_load_print_meta: model ftype      = mostly F16
@@ -24,17 +23,10 @@ llama_print_timings:       total time =     659.54 ms
 """
 
 
-def load_script(path: Path):
-    """A benchmarks/ script as a module (they are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture(scope="module")
 def decode():
-    return load_script(DECODE)
+    return load_script("decode")
 
 
 def test_parse_powerinfer_log(decode):

@@ -1,18 +1,9 @@
 """benchmarks/recovery.py's results file: every write keeps the previous result of each row this run has not
 measured (not asked for, or not reached yet), in the rows file's order."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _recovery():
-    spec = importlib.util.spec_from_file_location("bench_recovery", ROOT / "benchmarks" / "recovery.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from scripts import load_script
 
 
 def _row(name: str, loss: float) -> dict:
@@ -20,7 +11,7 @@ def _row(name: str, loss: float) -> dict:
 
 
 def test_a_partial_run_keeps_the_rows_it_has_not_measured(tmp_path):
-    rec = _recovery()
+    rec = load_script("recovery")
     spec = {"recipe": "r.yaml", "score": {"piqa": 10}, "rows": [{"name": n} for n in ("a", "b", "c")]}
     done = {n: _row(n, 1.0) for n in ("original", "a", "b", "c")}
     result = {"command": "python benchmarks/recovery.py rows.yaml --only b", "spec": spec, "rows": [done["original"], _row("b", 2.0)]}

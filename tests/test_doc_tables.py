@@ -1,16 +1,10 @@
 """Tables in the docs are the benchmark result files they name, byte for byte."""
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from scripts import load_script
 
 
 def _doc_tables():
-    spec = importlib.util.spec_from_file_location("bench_doc_tables", ROOT / "benchmarks" / "doc_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("doc_tables")
 
 
 def test_render_replaces_marked_blocks(tmp_path):
