@@ -1,6 +1,16 @@
 """CLI verbs of the predictors stage: `profile`, `predictors train`, `predictors calibrate`, `predictors eval`."""
 
+import argparse
+
 from sparseforge.cli_options import HelpFormatter, add_text_stream_options, stream_options
+from sparseforge.predictors.knee import DEFAULT_MAX_PPL_INCREASE, DEFAULT_RECALLS
+
+
+def _recalls(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers such as 0.98,0.99,0.995") from None
 
 
 def _data_options(p, tokens: int, what: str) -> None:
@@ -51,15 +61,21 @@ def register(subparsers) -> None:
     t.set_defaults(func=train_command)
     c = verbs.add_parser(
         "calibrate",
-        help="re-choose the thresholds for another recall target, without refitting",
+        help="re-choose the thresholds at the knee of the recall/cost curve (or a fixed recall), without refitting",
         description="Trade speed for accuracy after training: stream the same held-out tokens `predictors train` used "
-        "(skipping its training tokens), score them with the trained predictors and set each unit's threshold to reach "
-        "--target-recall (+ --recall-margin) there. Only CKPT/predictors.json changes; its `eval` is cleared, so run "
-        "`sparseforge predictors eval CKPT` next for the perplexity at the new thresholds.",
+        "(skipping its training tokens) and score them with the trained predictors. Without --target-recall, calibrate the "
+        "thresholds to each of --recalls (+ --recall-margin), run the held-out tokens with each predicted mask, print the curve "
+        "(predicted-active neurons against perplexity) and keep its knee: the fewest neurons within --max-ppl-increase of the "
+        "exact mask's perplexity. With --target-recall, set each unit's threshold to reach it. Only CKPT/predictors.json "
+        "changes (the curve is recorded there); its `eval` is cleared, so run `sparseforge predictors eval CKPT` next for "
+        "recall and perplexity on fresh text.",
         formatter_class=fmt,
     )
     c.add_argument("ckpt", help="a sparse checkpoint with predictors (sparseforge predictors train)")
-    c.add_argument("--target-recall", type=float, required=True, help="recall to reach on fresh text")
+    c.add_argument("--target-recall", type=float, default=None, help="a fixed recall to reach on fresh text (default: the knee of the curve)")
+    c.add_argument("--recalls", type=_recalls, default=",".join(map(str, DEFAULT_RECALLS)), help="recall targets the curve tries, comma-separated")
+    c.add_argument("--max-ppl-increase", type=float, default=DEFAULT_MAX_PPL_INCREASE,
+                   help="largest perplexity increase over the exact mask the knee may cost, as a fraction (0.02 = 2%%)")
     c.add_argument("--recall-margin", type=float, default=None, help="calibrate to --target-recall plus this on the held-out tokens (default: the one training used)")
     c.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
     c.add_argument("--device", default="cpu", help="torch device")
@@ -99,7 +115,8 @@ def train_command(args) -> int:
 def calibrate_command(args) -> int:
     from sparseforge.predictors.verbs import calibrate
 
-    calibrate(args.ckpt, args.target_recall, args.recall_margin, args.batch_size, args.device, args.threads, not args.no_progress)
+    calibrate(args.ckpt, args.target_recall, args.recall_margin, args.batch_size, args.device, args.threads, not args.no_progress,
+              args.recalls, args.max_ppl_increase)
     return 0
 
 

@@ -112,10 +112,13 @@ def train_unit(train: Reservoir, val: Reservoir, rank: int, cfg: FitConfig, max_
 
 def calibrate_unit(model: LowRankPredictor, val: Reservoir, target: float) -> tuple[float, dict[str, int]]:
     """Threshold reaching `target` recall on the held-out rows, and its confusion counts there."""
-    ones = torch.ones(val.hidden)
-    scores, fired = _scores(model, val.inputs(), ones), val.masks()
-    t = threshold_for_recall(scores, fired, target)
-    return t, confusion(scores, fired, t)
+    return calibrate_unit_at(model, val, [target])[0]
+
+
+def calibrate_unit_at(model: LowRankPredictor, val: Reservoir, targets: list[float]) -> list[tuple[float, dict[str, int]]]:
+    """calibrate_unit for each of `targets`, scoring the held-out rows once."""
+    scores, fired = _scores(model, val.inputs(), torch.ones(val.hidden)), val.masks()
+    return [(t, confusion(scores, fired, t)) for t in (threshold_for_recall(scores, fired, target) for target in targets)]
 
 
 def calibration_recall(target: float, margin: float) -> float:

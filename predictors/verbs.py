@@ -1,12 +1,14 @@
 """The predictors stage's verbs as typed functions: `profile`, `predictors train|calibrate|eval`. `cli.py` parses the
 options into them; `sparseforge run` calls them. Each prints what it did and writes its results into the checkpoint."""
 
+import itertools
 import time
 from dataclasses import asdict
 
 from sparseforge.data import TextStream
 from sparseforge.errors import SparseforgeError, check_positive
 from sparseforge.predictors.fit import FitConfig
+from sparseforge.predictors.knee import DEFAULT_MAX_PPL_INCREASE, DEFAULT_RECALLS
 
 
 def _setup(ckpt: str, stream: TextStream, verb: str):
@@ -87,46 +89,74 @@ def train_predictors(ckpt: str, stream: TextStream = TextStream(tokens=65536), f
     return report
 
 
-def calibrate(ckpt: str, target_recall: float, recall_margin: float | None = None, batch_size: int = 4, device: str = "cpu",
-              threads: int | None = None, progress: bool = True) -> dict:
-    """Re-choose the thresholds of trained predictors for `target_recall` on the held-out tokens training used (same data,
-    same windows), without refitting. recall_margin: None keeps training's. Updates CKPT/predictors.json (its eval cleared)."""
+def calibrate(ckpt: str, target_recall: float | None = None, recall_margin: float | None = None, batch_size: int = 4, device: str = "cpu",
+              threads: int | None = None, progress: bool = True, recalls: tuple[float, ...] = DEFAULT_RECALLS,
+              max_ppl_increase: float = DEFAULT_MAX_PPL_INCREASE) -> dict:
+    """Re-choose the thresholds of trained predictors on the held-out tokens training used (same data, same windows), without
+    refitting: for `target_recall`, or, when it is None, at the knee of the recall/cost curve over `recalls` (the fewest
+    predicted-active neurons within `max_ppl_increase` of the exact mask's perplexity on as many fresh tokens, those
+    `evaluate` reads by default; predictors/knee.py).
+    recall_margin: None keeps training's. Updates CKPT/predictors.json (its eval cleared; the curve recorded as "curve")."""
     from sparseforge.checkpoint import write_artifact
     from sparseforge.predictors.calibrate import rates, total_counts
     from sparseforge.predictors.collect import collect_pairs, skip_tokens
     from sparseforge.predictors.fit import calibrate_unit, calibration_recall
+    from sparseforge.predictors.knee import check_curve, format_curve, knee, recall_curve
     from sparseforge.predictors.store import PREDICTORS_FORMAT_VERSION, load_predictors
+    from sparseforge.sparsify.measure import take_tokens
 
+    def check(margin: float) -> None:
+        if target_recall is None:
+            check_curve(recalls, margin, max_ppl_increase)
+        else:
+            check_recall(target_recall, margin)
+
+    check(recall_margin or 0.0)  # the options first, then with the margin training used
     predictors = load_predictors(ckpt)
     report = predictors.report
     margin = report["fit"]["recall_margin"] if recall_margin is None else recall_margin
-    check_recall(target_recall, margin)
+    check(margin)
     start = time.perf_counter()
     held = report["heldout_tokens"]
     stream = TextStream(tuple(report["data"]), report.get("text_field", "text"), held, report["seq_len"], batch_size, device, threads, progress)
     model, windows, source = _setup(ckpt, stream, "predictors calibrate")
-    sets = collect_pairs(model, skip_tokens(windows, report["train_tokens"]), 0, held, 1, held, batch_size, progress)
+    predictors.to(stream.device)
+    windows, later = itertools.tee(windows)
+    held_windows = list(take_tokens(skip_tokens(windows, report["train_tokens"]), held))
+    sets = collect_pairs(model, held_windows, 0, held, 1, held, batch_size, progress)
     if sets.heldout_tokens < held:
         raise SparseforgeError(f"the data gave {sets.heldout_tokens} of the {held} held-out tokens training used; is --data the same as in training ({report['data']})?")
-    target = calibration_recall(target_recall, margin)
+    curve = None
+    if target_recall is None:
+        # costs on fresh text, the tokens `predictors eval` reads: on the held-out tokens the thresholds were fitted to,
+        # a low recall looks several times cheaper than it is
+        fresh = list(take_tokens(skip_tokens(later, report["train_tokens"] + held + 2 * report["seq_len"]), held))
+        exact, points = recall_curve(model, predictors, sets, fresh, recalls, margin, batch_size, progress)
+        chosen = knee(points, max_ppl_increase)
+        print(format_curve(exact, points, chosen, max_ppl_increase))
+        target_recall, thresholds, counts = points[chosen]["target_recall"], points[chosen]["thresholds"], points[chosen]["counts"]
+        curve = {"max_ppl_increase": max_ppl_increase, "knee": target_recall, "exact_perplexity": exact["perplexity"], "tokens": exact["tokens"],
+                 "points": [{k: p[k] for k in ("target_recall", "calibration_recall", "heldout", "perplexity", "ppl_increase")} for p in points]}
+    else:
+        thresholds, counts = {}, {}
+        for key, unit in predictors.predictors.items():
+            val = sets.heldout[key[0]][key[1]]
+            if unit is not None and val.size:
+                thresholds[key], counts[key] = calibrate_unit(unit, val, calibration_recall(target_recall, margin))
     units = []
     for unit in report["units"]:
-        model_u = predictors.predictors[(unit["layer"], unit["expert"])]
-        val = sets.heldout[unit["layer"]][unit["expert"]]
-        if model_u is None or val.size == 0:
-            units.append(unit)
-            continue
-        threshold, counts = calibrate_unit(model_u, val, target)
-        units.append({**unit, "threshold": threshold, "heldout": rates(counts), "heldout_counts": counts})
+        key = (unit["layer"], unit["expert"])
+        units.append({**unit, "threshold": thresholds[key], "heldout": rates(counts[key]), "heldout_counts": counts[key]} if key in thresholds else unit)
     totals = total_counts([u.get("heldout_counts", {}) for u in units])
     before = report["heldout"]
     record = {k: v for k, v in report.items() if k != "format_version"}
-    record.update(units=units, target_recall=target_recall, calibration_recall=target, heldout=rates(totals), eval=None)
+    record.update(units=units, target_recall=target_recall, calibration_recall=calibration_recall(target_recall, margin), heldout=rates(totals),
+                  eval=None, curve=curve)
     record["fit"] = {**report["fit"], "target_recall": target_recall, "recall_margin": margin}
     write_artifact(source.path, "predictors", record, PREDICTORS_FORMAT_VERSION)
     after = record["heldout"]
     print(f"held-out recall {before['recall']:.4f} -> {after['recall']:.4f}, predicted active {100 * before['predicted_fraction']:.2f}% -> "
-          f"{100 * after['predicted_fraction']:.2f}% (true {100 * after['true_fraction']:.2f}%)")  # fmt: skip
+          f"{100 * after['predicted_fraction']:.2f}% (true {100 * after['true_fraction']:.2f}%) at recall target {target_recall:g}")  # fmt: skip
     print(f"updated {source.path}/predictors.json in {time.perf_counter() - start:.0f}s; next: sparseforge predictors eval {source.path}")
     return record
 

@@ -14,6 +14,7 @@ continues where it stopped when the same command is given again.
     measure          sparseforge measure CKPT            -> sparsity.json
     profile          sparseforge profile CKPT            -> profile.safetensors/json
     predictors       sparseforge predictors train CKPT   -> predictors.safetensors/json
+    predictors_calibrate  sparseforge predictors calibrate CKPT  -> predictors.json thresholds at the curve's knee
     predictors_eval  sparseforge predictors eval CKPT    -> predictors.json "eval"
     plan             sparseforge plan CKPT --fast-memory X --out plan-X.json (one per budget)
     eval             sparseforge eval CKPT               -> eval.json
@@ -166,6 +167,8 @@ STAGES = [
     Stage("profile", _ckpt_verb("profile"), _files("model.safetensors"), lambda run, c: [run.ckpt / "profile.safetensors"], summaries.profile),
     Stage("predictors", _ckpt_verb("predictors", "train"), _files("model.safetensors"),
           lambda run, c: [run.ckpt / "predictors.safetensors"], summaries.predictors),
+    Stage("predictors_calibrate", _ckpt_verb("predictors", "calibrate"), _files("model.safetensors", "predictors.safetensors"),
+          lambda run, c: [run.ckpt / "predictors.json"], summaries.predictors_calibrate),
     Stage("predictors_eval", _ckpt_verb("predictors", "eval"), _files("model.safetensors", "predictors.safetensors"),
           lambda run, c: [run.ckpt / "predictors.json"], summaries.predictors_eval),
     Stage("plan", _plan, _files("profile.safetensors", "predictors.safetensors"), _plan_outputs, summaries.plan),

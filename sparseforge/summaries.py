@@ -34,6 +34,16 @@ def predictors(ckpt: Path) -> str:
             f"vs true {_pct(h.get('true_fraction'))}, {_pct(p.get('params_fraction'))} of MLP params")
 
 
+def predictors_calibrate(ckpt: Path) -> str:
+    p = _json(ckpt, "predictors.json")
+    c = p.get("curve")
+    if not c:
+        return f"recall target {p['target_recall']:g}" if p else ""
+    point = next(q for q in c["points"] if q["target_recall"] == c["knee"])
+    return (f"knee at recall {c['knee']:g}: predicted active {_pct(point['heldout']['predicted_fraction'])}, "
+            f"ppl {100 * point['ppl_increase']:+.2f}% vs exact mask")
+
+
 def predictors_eval(ckpt: Path) -> str:
     e = _json(ckpt, "predictors.json").get("eval", {})
     if not e:

@@ -19,6 +19,7 @@ def _recipe(workspace, tmp_path, **stages):
         "measure": f"--tokens 256 {data}",
         "profile": f"--tokens 256 --coact-tokens 64 --block-size 16 {data}",
         "predictors": f"--tokens 512 --heldout-tokens 256 --budget 0.5 --max-epochs 2 --pilot-epochs 1 --min-rank 8 {data}",
+        "predictors_calibrate": "--recalls 0.9,0.99,0.999",  # 0.999 + the margin is capped below 1
         "predictors_eval": f"--tokens 128 {data}",
         "plan": ["--fast-memory 100%", "--fast-memory 25%"],
         "eval": "--tasks piqa --limit 4 --batch-size 4 --context 1024",
@@ -64,6 +65,7 @@ def test_pipeline_end_to_end_skip_and_resume(workspace, tmp_path, one_thread, ca
     assert _artifact(ckpt / "profile.json")["tokens"] == 256
     predictors = _artifact(ckpt / "predictors.json")
     assert predictors["eval"]["tokens"] > 0 and len(predictors["units"]) == 2
+    assert predictors["curve"]["knee"] == predictors["target_recall"] in (0.9, 0.99, 0.999)  # thresholds at the curve's knee
     assert _artifact(ckpt / "plan-100pct.json")["expected_hit_rate"] == 1.0
     assert 0 < _artifact(ckpt / "plan-25pct.json")["expected_hit_rate"] < 1
     assert (tmp_path / "run" / "converted" / "model.safetensors").is_file()

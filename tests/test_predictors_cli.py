@@ -144,3 +144,54 @@ def test_calibrate_moe(tmp_path, text_file, capsys):
     assert after["heldout"]["recall"] >= 0.5 and after["heldout"]["predicted_fraction"] < before["heldout"]["predicted_fraction"]
     predictors = load_predictors(ckpt)  # still loads: thresholds and weights agree
     assert len(predictors.thresholds) == len(after["units"])
+
+
+def test_calibrate_knee(tmp_path, text_file, capsys):
+    """Without --target-recall, calibrate walks the recall/cost curve (thresholds from the held-out tokens, perplexity on fresh
+    text) and keeps its knee; the curve's perplexity at the knee is what `predictors eval` measures on the same fresh
+    tokens, and a fixed target at the knee's recall gives the same thresholds."""
+    ckpt = _sparse(tmp_path)
+    data = ["--data", str(text_file), "--seq-len", "32", "--no-progress"]
+    assert main(["predictors", "train", str(ckpt), "--tokens", "1024", "--heldout-tokens", "256", "--budget", "0.5",
+                 "--max-epochs", "2", "--pilot-rank", "8", "--min-rank", "8", *data]) == 0  # fmt: skip
+    recalls = ["--recalls", "0.999,0.5,0.9,0.99", "--recall-margin", "0"]
+    assert main(["predictors", "calibrate", str(ckpt), *recalls, "--max-ppl-increase", "100", "--no-progress"]) == 0
+    loose = json.loads((ckpt / "predictors.json").read_text())
+    points = loose["curve"]["points"]
+    assert [p["target_recall"] for p in points] == [0.5, 0.9, 0.99, 0.999]
+    fractions = [p["heldout"]["predicted_fraction"] for p in points]
+    assert fractions == sorted(fractions) and fractions[0] < fractions[-1]  # a lower recall predicts fewer neurons
+    assert all(p["heldout"]["recall"] >= p["target_recall"] for p in points)
+    assert loose["curve"]["knee"] == loose["target_recall"] == 0.5  # any cost allowed: the cheapest point
+    assert "<- knee" in capsys.readouterr().out
+
+    assert main(["predictors", "calibrate", str(ckpt), *recalls, "--max-ppl-increase", "0.01", "--no-progress"]) == 0
+    tight = json.loads((ckpt / "predictors.json").read_text())
+    chosen = next(p for p in tight["curve"]["points"] if p["target_recall"] == tight["curve"]["knee"])
+    within = [p for p in tight["curve"]["points"] if p["ppl_increase"] <= 0.01]
+    assert chosen["ppl_increase"] <= 0.01 if within else chosen["target_recall"] == 0.999
+    assert tight["heldout"] == chosen["heldout"]
+
+    assert main(["predictors", "eval", str(ckpt), "--tokens", "256", *data]) == 0  # the default fresh tokens
+    ev = json.loads((ckpt / "predictors.json").read_text())["eval"]
+    assert ev["predicted"]["perplexity"] == pytest.approx(chosen["perplexity"], rel=1e-4)
+    assert ev["oracle"]["perplexity"] == pytest.approx(tight["curve"]["exact_perplexity"], rel=1e-4)
+
+    assert main(["predictors", "calibrate", str(ckpt), "--target-recall", str(tight["target_recall"]), "--recall-margin", "0", "--no-progress"]) == 0
+    fixed = json.loads((ckpt / "predictors.json").read_text())
+    assert [u["threshold"] for u in fixed["units"]] == [u["threshold"] for u in tight["units"]] and fixed["curve"] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--recalls", "0.9,1.2"], "--recalls 1.2 is out of range"),
+    (["--max-ppl-increase", "-1"], "--max-ppl-increase must be >= 0"),
+])
+def test_calibrate_knee_errors(tmp_path, argv, message, capsys):
+    ckpt = _sparse(tmp_path)
+    (ckpt / "predictors.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_:  # argparse's usage line, then one line naming the bad value
+        main(["predictors", "calibrate", str(ckpt), "--recalls", "0.9,abc"])
+    assert exit_.value.code == 2 and "'0.9,abc' is not a comma-separated list of numbers" in capsys.readouterr().err.splitlines()[-1]
+    code = main(["predictors", "calibrate", str(ckpt), *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and message in err, err

@@ -1,0 +1,38 @@
+"""benchmarks/recall_curve.py end to end on a tiny checkpoint: the curve is monotone, the checkpoint is untouched."""
+
+import gzip
+import json
+
+import torch
+from scripts import load_script
+from tiny import tiny_model, tiny_tokenizer
+
+from sparseforge.checkpoint import save_sparse
+from sparseforge.cli import main
+from sparseforge.sparsify.convert import convert_model
+
+
+def test_recall_curve(tmp_path, one_thread):
+    data = tmp_path / "text.jsonl.gz"
+    words = "the quick brown fox jumps over lazy dog def add return question answer sparse".split()
+    g = torch.Generator().manual_seed(0)
+    with gzip.open(data, "wt") as f:
+        for i in range(200):
+            f.write(json.dumps({"text": " ".join(words[j] for j in torch.randint(0, len(words), (30,), generator=g).tolist())}) + "\n")
+    ckpt = tmp_path / "ckpt"
+    save_sparse(convert_model(tiny_model("llama"), "drelu"), tiny_tokenizer(), ckpt)
+    assert main(["predictors", "train", str(ckpt), "--tokens", "1024", "--heldout-tokens", "256", "--budget", "0.5", "--max-epochs", "1",
+                 "--pilot-rank", "8", "--min-rank", "8", "--data", str(data), "--seq-len", "32", "--no-progress"]) == 0  # fmt: skip
+    before = (ckpt / "predictors.json").read_text()
+    results = tmp_path / "results"
+    assert load_script("recall_curve").main(["--ckpt", str(ckpt), "--recalls", "0.99,0.5", "--tokens", "256", "--data", str(data),
+                                             "--tasks", "piqa", "--limit", "4", "--threads", "1", "--out", "curve",
+                                             "--results-dir", str(results), "--work", str(tmp_path / "work")]) == 0  # fmt: skip
+    out = json.loads((results / "curve.json").read_text())
+    rows = out["rows"]
+    assert [r["target_recall"] for r in rows] == [0.5, 0.99]
+    assert rows[0]["predicted"] <= rows[1]["predicted"] and rows[0]["heldout_recall"] >= 0.5
+    assert all(0 <= r["accuracy"]["mean"] <= 1 for r in rows) and 0 <= out["exact_accuracy"]["mean"] <= 1
+    assert sum(r["knee"] == "knee" for r in rows) == 1 and out["knee"]["knee"] in (0.5, 0.99)
+    assert (ckpt / "predictors.json").read_text() == before and not (ckpt / "eval.json").exists()  # the checkpoint is untouched
+    assert "| recall target |" in (results / "curve.md").read_text()
