@@ -227,6 +227,11 @@ def _fingerprint(paths: list[Path]) -> dict[str, list[int] | None]:
     return out
 
 
+def _recorded(cmds: list[list[str]]) -> list[list[str]]:
+    """A stage's commands as far as its results go: with or without progress bars, the same stage."""
+    return [[a for a in argv if a != "--no-progress"] for argv in cmds]
+
+
 class Record:
     """OUTPUT_DIR/pipeline.json: per finished stage its commands, settings, input fingerprints and time."""
 
@@ -241,7 +246,7 @@ class Record:
 
     def up_to_date(self, name: str, cmds: list[list[str]], settings: str, inputs: list[Path], outputs: list[Path]) -> bool:
         rec = self.stages.get(name)
-        return (rec is not None and rec["commands"] == cmds and rec["settings"] == settings
+        return (rec is not None and _recorded(rec["commands"]) == _recorded(cmds) and rec["settings"] == settings
                 and rec["inputs"] == _fingerprint(inputs) and all(p.exists() for p in outputs))
 
     def finish(self, name: str, cmds: list[list[str]], settings: str, inputs: list[Path], seconds: float) -> None:

@@ -81,6 +81,8 @@ def test_pipeline_end_to_end_skip_and_resume(workspace, tmp_path, one_thread, ca
     # nothing changed: every stage is skipped; a changed checkpoint re-runs what reads it
     rows, _ = run_pipeline(str(recipe), progress=False)
     assert {r["status"] for r in rows} == {"up to date"}
+    rows, _ = run_pipeline(str(recipe), progress=True, dry_run=True)  # progress bars on or off: the same stages
+    assert {r["status"] for r in rows} == {"up to date"}
     (ckpt / "profile.safetensors").touch()
     rows, _ = run_pipeline(str(recipe), progress=False, only="profile,predictors,plan")
     assert [r["stage"] for r in rows if r["status"] == "ran"] == ["plan"]
