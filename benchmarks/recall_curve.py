@@ -5,7 +5,7 @@ Works on a scratch view of the checkpoint (its JSON files copied, every other fi
 itself is never modified. Per recall target R: `predictors calibrate --target-recall R` on the scratch view, then
 `predictors eval` on fresh text (recall, predicted-active fraction, perplexity vs the exact mask) and, with
 --tasks, lm-eval through the sparse runtime with those masks. The exact-mask accuracy is scored once. Last, the
-knee: `predictors calibrate` without a target (the curve on the held-out tokens).
+knee: `predictors calibrate` without a target (thresholds from the held-out tokens, costs on fresh text).
 
     python benchmarks/recall_curve.py --ckpt runs/quickstart/checkpoint --tasks piqa,arc_easy --limit 100 --out recall-curve-quickstart
 
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         for row in rows:
             row["acc"] = row["accuracy"]["mean"]
         columns += [("acc", f"accuracy ({'+'.join(tasks)}, n={args.limit})", ".3f"), ("accuracy_cost", "vs exact", "+.3f")]
-    columns.append(("knee", "knee (held-out, ≤ " + f"{100 * knee['max_ppl_increase']:g}% ppl)", ""))
+    columns.append(("knee", f"knee (≤ {100 * knee['max_ppl_increase']:g}% ppl)", ""))
     table = markdown_table(rows, columns)
     if exact:
         table += f"\n\nExact-mask accuracy {exact['mean']:.3f}; perplexity on {args.tokens} fresh tokens, exact mask {rows[0]['exact_perplexity']:.3f}."

@@ -64,7 +64,8 @@ def register(subparsers) -> None:
         help="re-choose the thresholds at the knee of the recall/cost curve (or a fixed recall), without refitting",
         description="Trade speed for accuracy after training: stream the same held-out tokens `predictors train` used "
         "(skipping its training tokens) and score them with the trained predictors. Without --target-recall, calibrate the "
-        "thresholds to each of --recalls (+ --recall-margin), run the held-out tokens with each predicted mask, print the curve "
+        "thresholds to each of --recalls (+ --recall-margin), run fresh text (the tokens `predictors eval` reads) with each "
+        "predicted mask, print the curve "
         "(predicted-active neurons against perplexity) and keep its knee: the fewest neurons within --max-ppl-increase of the "
         "exact mask's perplexity. With --target-recall, set each unit's threshold to reach it. Only CKPT/predictors.json "
         "changes (the curve is recorded there); its `eval` is cleared, so run `sparseforge predictors eval CKPT` next for "

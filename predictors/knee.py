@@ -5,12 +5,12 @@ costs perplexity, because some firing neurons are skipped. For each candidate re
 calibrated to R (+ the recall margin) on the held-out tokens, exactly as `predictors train` does for one
 target, and the model runs fresh text (the tokens `predictors eval` reads) with the predicted mask: the curve is
 (R, predicted-active fraction, perplexity increase over the exact mask). Measured on the held-out tokens the
-thresholds were fitted to instead, a low recall looks several times cheaper than it is on other text. The knee is the cheapest point whose perplexity stays
-within `max_ppl_increase` of the exact mask; if no candidate does, the highest recall. (R + margin is capped just
+thresholds were fitted to instead, a low recall looks several times cheaper than it is on other text. The knee
+is the cheapest point whose perplexity stays within `max_ppl_increase` of the exact mask; if no candidate does, the highest recall. (R + margin is capped just
 below 1: the top candidates may then share a threshold.)
 
 The scores of every unit are computed once; each candidate only moves a threshold (a k-th value), so the
-curve costs one masked forward pass over the held-out tokens per candidate.
+curve costs one masked forward pass over the fresh tokens per candidate.
 """
 
 from __future__ import annotations
@@ -40,6 +40,21 @@ def check_curve(recalls: Sequence[float], margin: float, max_ppl_increase: float
         raise SparseforgeError(f"--max-ppl-increase must be >= 0 (0.02 = 2%), got {max_ppl_increase}")
 
 
+def unit_thresholds(predictors: PredictorSet, sets: PairSets, targets: Sequence[float]) -> list[tuple[dict, dict]]:
+    """Per calibration target, ({(layer, expert): threshold}, {(layer, expert): held-out confusion counts}) of every unit
+    with weights and held-out rows; each unit's held-out rows are scored once."""
+    from sparseforge.predictors.fit import calibrate_unit_at
+
+    out = [({}, {}) for _ in targets]
+    for key, unit in predictors.predictors.items():
+        val = sets.heldout[key[0]][key[1]]
+        if unit is None or val.size == 0:
+            continue
+        for (thresholds, counts), (t, c) in zip(out, calibrate_unit_at(unit, val, list(targets))):
+            thresholds[key], counts[key] = t, c
+    return out
+
+
 def recall_curve(model, predictors: PredictorSet, sets: PairSets, windows: list[list[int]], recalls: Sequence[float], margin: float,
                  batch_size: int = 4, progress: bool = True) -> tuple[dict, list[dict]]:
     """({"perplexity": exact-mask perplexity, "tokens"}, one point per recall in ascending order): thresholds calibrated on
@@ -47,19 +62,14 @@ def recall_curve(model, predictors: PredictorSet, sets: PairSets, windows: list[
     expert): t}, "counts": {(layer, expert): confusion}, "heldout": rates, "perplexity", "ppl_increase"}.
     predictors.thresholds is left as it was."""
     from sparseforge.predictors.calibrate import rates, total_counts
-    from sparseforge.predictors.fit import calibrate_unit_at, calibration_recall
+    from sparseforge.predictors.fit import calibration_recall
     from sparseforge.predictors.mask import masked_mlps
     from sparseforge.sparsify.measure import measure_sparsity
 
     recalls = sorted(recalls)
     targets = [calibration_recall(r, margin) for r in recalls]
-    points = [{"target_recall": r, "calibration_recall": t, "thresholds": {}, "counts": {}} for r, t in zip(recalls, targets)]
-    for key, unit in predictors.predictors.items():
-        val = sets.heldout[key[0]][key[1]]
-        if unit is None or val.size == 0:
-            continue
-        for point, (threshold, counts) in zip(points, calibrate_unit_at(unit, val, targets)):
-            point["thresholds"][key], point["counts"][key] = threshold, counts
+    points = [{"target_recall": r, "calibration_recall": t, "thresholds": th, "counts": c}
+              for r, t, (th, c) in zip(recalls, targets, unit_thresholds(predictors, sets, targets))]
     tokens = sum(len(w) for w in windows)
     with masked_mlps(model, "oracle"):
         exact = measure_sparsity(model, windows, tokens, batch_size, progress)

@@ -89,6 +89,11 @@ def train_predictors(ckpt: str, stream: TextStream = TextStream(tokens=65536), f
     return report
 
 
+def fresh_start(report: dict, seq_len: int) -> int:
+    """Where fresh text starts in the predictors' token stream: after their training and held-out tokens, two windows on."""
+    return report["train_tokens"] + report["heldout_tokens"] + 2 * seq_len
+
+
 def calibrate(ckpt: str, target_recall: float | None = None, recall_margin: float | None = None, batch_size: int = 4, device: str = "cpu",
               threads: int | None = None, progress: bool = True, recalls: tuple[float, ...] = DEFAULT_RECALLS,
               max_ppl_increase: float = DEFAULT_MAX_PPL_INCREASE) -> dict:
@@ -100,8 +105,8 @@ def calibrate(ckpt: str, target_recall: float | None = None, recall_margin: floa
     from sparseforge.checkpoint import write_artifact
     from sparseforge.predictors.calibrate import rates, total_counts
     from sparseforge.predictors.collect import collect_pairs, skip_tokens
-    from sparseforge.predictors.fit import calibrate_unit, calibration_recall
-    from sparseforge.predictors.knee import check_curve, format_curve, knee, recall_curve
+    from sparseforge.predictors.fit import calibration_recall
+    from sparseforge.predictors.knee import check_curve, format_curve, knee, recall_curve, unit_thresholds
     from sparseforge.predictors.store import PREDICTORS_FORMAT_VERSION, load_predictors
     from sparseforge.sparsify.measure import take_tokens
 
@@ -130,7 +135,7 @@ def calibrate(ckpt: str, target_recall: float | None = None, recall_margin: floa
     if target_recall is None:
         # costs on fresh text, the tokens `predictors eval` reads: on the held-out tokens the thresholds were fitted to,
         # a low recall looks several times cheaper than it is
-        fresh = list(take_tokens(skip_tokens(later, report["train_tokens"] + held + 2 * report["seq_len"]), held))
+        fresh = list(take_tokens(skip_tokens(later, fresh_start(report, report["seq_len"])), held))
         exact, points = recall_curve(model, predictors, sets, fresh, recalls, margin, batch_size, progress)
         chosen = knee(points, max_ppl_increase)
         print(format_curve(exact, points, chosen, max_ppl_increase))
@@ -138,11 +143,7 @@ def calibrate(ckpt: str, target_recall: float | None = None, recall_margin: floa
         curve = {"max_ppl_increase": max_ppl_increase, "knee": target_recall, "exact_perplexity": exact["perplexity"], "tokens": exact["tokens"],
                  "points": [{k: p[k] for k in ("target_recall", "calibration_recall", "heldout", "perplexity", "ppl_increase")} for p in points]}
     else:
-        thresholds, counts = {}, {}
-        for key, unit in predictors.predictors.items():
-            val = sets.heldout[key[0]][key[1]]
-            if unit is not None and val.size:
-                thresholds[key], counts[key] = calibrate_unit(unit, val, calibration_recall(target_recall, margin))
+        thresholds, counts = unit_thresholds(predictors, sets, [calibration_recall(target_recall, margin)])[0]
     units = []
     for unit in report["units"]:
         key = (unit["layer"], unit["expert"])
@@ -176,7 +177,7 @@ def evaluate(ckpt: str, stream: TextStream = TextStream(), skip_tokens: int | No
     model, windows, source = _setup(ckpt, stream, "predictors eval")
     predictors = load_predictors(source.path).to(stream.device)
     report = predictors.report
-    skip = skip_tokens if skip_tokens is not None else report["train_tokens"] + report["heldout_tokens"] + 2 * stream.seq_len
+    skip = skip_tokens if skip_tokens is not None else fresh_start(report, stream.seq_len)
     held = list(take_tokens(collect.skip_tokens(windows, skip), stream.tokens))
     result = evaluate_masks(model, held, predictors, stream.batch_size, stream.progress)
     print(format_evaluation(result))
