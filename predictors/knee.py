@@ -3,11 +3,13 @@
 A lower recall target makes the predictors mark fewer neurons active (less compute, fewer bytes read) and
 costs perplexity, because some firing neurons are skipped. For each candidate recall R the thresholds are
 calibrated to R (+ the recall margin) on the held-out tokens, exactly as `predictors train` does for one
-target, and the model runs fresh text (the tokens `predictors eval` reads) with the predicted mask: the curve is
-(R, predicted-active fraction, perplexity increase over the exact mask). Measured on the held-out tokens the
-thresholds were fitted to instead, a low recall looks several times cheaper than it is on other text. The knee
-is the cheapest point whose perplexity stays within `max_ppl_increase` of the exact mask; if no candidate does, the highest recall. (R + margin is capped just
-below 1: the top candidates may then share a threshold.)
+target, and the model runs fresh text (the tokens `predictors eval` reads) with the predicted mask, counting the
+predictors' hits and misses as it goes: the curve is (R, recall and predicted-active fraction on fresh text,
+perplexity increase over the exact mask). Measured on the held-out tokens the thresholds were fitted to instead,
+a low recall looks several times cheaper than it is on other text. The knee is the point with the fewest
+predicted-active neurons on fresh text whose perplexity stays within `max_ppl_increase` of the exact mask; if no
+candidate does, the highest recall. (R + margin is capped just below 1: the top candidates may then share a
+threshold.)
 
 The scores of every unit are computed once; each candidate only moves a threshold (a k-th value), so the
 curve costs one masked forward pass over the fresh tokens per candidate.
@@ -15,6 +17,7 @@ curve costs one masked forward pass over the fresh tokens per candidate.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -25,7 +28,7 @@ if TYPE_CHECKING:  # torch is imported where the curve is computed, so the CLI b
     from sparseforge.predictors.store import PredictorSet
 
 DEFAULT_RECALLS = (0.95, 0.97, 0.98, 0.99, 0.995, 0.998, 0.999)
-DEFAULT_MAX_PPL_INCREASE = 0.02
+DEFAULT_MAX_PPL_INCREASE = 0.01  # 2% cost 2.5 points of piqa + arc_easy on the quickstart (benchmarks/results/recall-curve-quickstart.md)
 
 
 def check_curve(recalls: Sequence[float], margin: float, max_ppl_increase: float) -> None:
@@ -58,8 +61,9 @@ def unit_thresholds(predictors: PredictorSet, sets: PairSets, targets: Sequence[
 def recall_curve(model, predictors: PredictorSet, sets: PairSets, windows: list[list[int]], recalls: Sequence[float], margin: float,
                  batch_size: int = 4, progress: bool = True) -> tuple[dict, list[dict]]:
     """({"perplexity": exact-mask perplexity, "tokens"}, one point per recall in ascending order): thresholds calibrated on
-    `sets.heldout`, perplexities over `windows` (fresh text). A point: {"target_recall", "calibration_recall", "thresholds": {(layer,
-    expert): t}, "counts": {(layer, expert): confusion}, "heldout": rates, "perplexity", "ppl_increase"}.
+    `sets.heldout`, rates and perplexities over `windows` (fresh text). A point: {"target_recall", "calibration_recall",
+    "thresholds": {(layer, expert): t}, "counts": {(layer, expert): held-out confusion}, "heldout": rates, "fresh": rates,
+    "worst_units": the 3 units of lowest recall on fresh text [{"layer", "expert", **rates}], "perplexity", "ppl_increase"}.
     predictors.thresholds is left as it was."""
     from sparseforge.predictors.calibrate import rates, total_counts
     from sparseforge.predictors.fit import calibration_recall
@@ -77,10 +81,13 @@ def recall_curve(model, predictors: PredictorSet, sets: PairSets, windows: list[
     try:
         for point in points:
             predictors.thresholds.update(point["thresholds"])
-            with masked_mlps(model, "predicted", predictors):
+            fresh: dict = {}
+            with masked_mlps(model, "predicted", predictors, fresh):
                 ppl = measure_sparsity(model, windows, tokens, batch_size, progress)["perplexity"]
-            point.update(heldout=rates(total_counts(list(point["counts"].values()))), perplexity=ppl,
-                         ppl_increase=ppl / exact["perplexity"] - 1.0)
+            units = [{"layer": layer, "expert": expert, **{k: None if math.isnan(v) else v for k, v in rates(c).items()}}
+                     for (layer, expert), c in sorted(fresh.items()) if c["tp"] + c["fn"]]
+            point.update(heldout=rates(total_counts(list(point["counts"].values()))), fresh=rates(total_counts(list(fresh.values()))),
+                         worst_units=sorted(units, key=lambda u: u["recall"])[:3], perplexity=ppl, ppl_increase=ppl / exact["perplexity"] - 1.0)
     finally:
         predictors.thresholds.clear()
         predictors.thresholds.update(saved)
@@ -88,22 +95,22 @@ def recall_curve(model, predictors: PredictorSet, sets: PairSets, windows: list[
 
 
 def knee(points: list[dict], max_ppl_increase: float) -> int:
-    """Index of the point with the smallest predicted-active fraction among those within `max_ppl_increase`
-    (the highest recall if none is)."""
+    """Index of the point with the smallest predicted-active fraction on fresh text among those within
+    `max_ppl_increase` (the highest recall if none is)."""
     within = [i for i, p in enumerate(points) if p["ppl_increase"] <= max_ppl_increase]
     if not within:
         return max(range(len(points)), key=lambda i: points[i]["target_recall"])
-    return min(within, key=lambda i: (points[i]["heldout"]["predicted_fraction"], -points[i]["target_recall"]))
+    return min(within, key=lambda i: (points[i]["fresh"]["predicted_fraction"], -points[i]["target_recall"]))
 
 
 def format_curve(exact: dict, points: list[dict], chosen: int, max_ppl_increase: float) -> str:
-    lines = [f"{'recall target':>13}  {'held-out recall':>15}  {'pred. active %':>14}  {'perplexity':>10}  {'vs exact':>8}"]
+    lines = [f"{'recall target':>13}  {'recall':>8}  {'pred. active %':>14}  {'firing %':>8}  {'perplexity':>10}  {'vs exact':>8}"]
     for i, p in enumerate(points):
-        h = p["heldout"]
+        h = p["fresh"]
         mark = "  <- knee" if i == chosen else ""
-        lines.append(f"{p['target_recall']:>13g}  {h['recall']:>15.4f}  {100 * h['predicted_fraction']:>14.2f}  {p['perplexity']:>10.3f}  "
+        lines.append(f"{p['target_recall']:>13g}  {h['recall']:>8.4f}  {100 * h['predicted_fraction']:>14.2f}  {100 * h['true_fraction']:>8.2f}  {p['perplexity']:>10.3f}  "
                      f"{100 * p['ppl_increase']:>+7.2f}%{mark}")
-    lines.append(f"exact mask perplexity {exact['perplexity']:.3f} over {exact['tokens']} fresh tokens; knee: the fewest neurons "
+    lines.append(f"recall, neurons and perplexity over {exact['tokens']} fresh tokens (exact mask: perplexity {exact['perplexity']:.3f}); knee: the fewest neurons "
                  f"within {100 * max_ppl_increase:g}% of it" + ("" if points[chosen]["ppl_increase"] <= max_ppl_increase else
                                                                " (none is: the highest recall is kept)"))
     return "\n".join(lines)

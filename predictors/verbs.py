@@ -141,7 +141,8 @@ def calibrate(ckpt: str, target_recall: float | None = None, recall_margin: floa
         print(format_curve(exact, points, chosen, max_ppl_increase))
         target_recall, thresholds, counts = points[chosen]["target_recall"], points[chosen]["thresholds"], points[chosen]["counts"]
         curve = {"max_ppl_increase": max_ppl_increase, "knee": target_recall, "exact_perplexity": exact["perplexity"], "tokens": exact["tokens"],
-                 "points": [{k: p[k] for k in ("target_recall", "calibration_recall", "heldout", "perplexity", "ppl_increase")} for p in points]}
+                 "points": [{k: p[k] for k in ("target_recall", "calibration_recall", "heldout", "fresh", "worst_units", "perplexity", "ppl_increase")}
+                            for p in points]}
     else:
         thresholds, counts = unit_thresholds(predictors, sets, [calibration_recall(target_recall, margin)])[0]
     units = []

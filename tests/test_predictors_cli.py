@@ -163,6 +163,8 @@ def test_calibrate_knee(tmp_path, text_file, capsys):
     assert fractions == sorted(fractions) and fractions[0] < fractions[-1]  # a lower recall predicts fewer neurons
     assert all(p["heldout"]["recall"] >= p["target_recall"] for p in points)
     assert loose["curve"]["knee"] == loose["target_recall"] == 0.5  # any cost allowed: the cheapest point
+    assert all(len(p["worst_units"]) <= 3 and 0 <= p["fresh"]["predicted_fraction"] <= 1 for p in points)
+    assert points[0]["fresh"]["predicted_fraction"] < points[-1]["fresh"]["predicted_fraction"]
     assert "<- knee" in capsys.readouterr().out
 
     assert main(["predictors", "calibrate", str(ckpt), *recalls, "--max-ppl-increase", "0.01", "--no-progress"]) == 0
@@ -176,6 +178,7 @@ def test_calibrate_knee(tmp_path, text_file, capsys):
     ev = json.loads((ckpt / "predictors.json").read_text())["eval"]
     assert ev["predicted"]["perplexity"] == pytest.approx(chosen["perplexity"], rel=1e-4)
     assert ev["oracle"]["perplexity"] == pytest.approx(tight["curve"]["exact_perplexity"], rel=1e-4)
+    assert ev["overall"] == pytest.approx(chosen["fresh"], rel=1e-6)  # the curve's fresh-text rates are eval's
 
     assert main(["predictors", "calibrate", str(ckpt), "--target-recall", str(tight["target_recall"]), "--recall-margin", "0", "--no-progress"]) == 0
     fixed = json.loads((ckpt / "predictors.json").read_text())

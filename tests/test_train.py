@@ -186,3 +186,40 @@ def test_tokenize_only_builds_the_stores_without_a_model(workspace, tmp_path, ca
     printed = capsys.readouterr().out
     assert [line.split(":")[0] for line in printed.splitlines()] == ["web", "code", "math"]
     assert len(list((tmp_path / "cache").glob("*/meta.json"))) == 3 and not (tmp_path / "run" / "checkpoint").exists()
+
+
+def test_target_zeros_thresholds_survive_resume_and_reach_the_checkpoint(workspace, tmp_path):
+    """target_zeros sets per-layer thresholds after stage 1; the end-to-end steps train with them in place, a resumed
+    run sets the same ones (same losses as uninterrupted), and the checkpoint carries them."""
+    keys = dict(target_zeros=0.9, layerwise_tokens=128, layerwise_epochs=1, layerwise_batch_tokens=64, distill_kl=0.5)
+    ckpt = train(_recipe(workspace, tmp_path / "full", **keys), progress=False)
+    full, lines = _losses(tmp_path / "full")
+    record = next(l for l in lines if l.get("stage") == "threshold")
+    assert record["zero_fraction_after"] > record["zero_fraction_before"] and record["zero_fraction_after"] >= 0.85
+    saved = json.loads((ckpt / "thresholds.json").read_text())
+    assert json.loads((ckpt / "config.json").read_text())["sparsity"]["thresholds"] == saved["thresholds"]
+    assert any(t > 0 for t in saved["thresholds"]) and saved["target"] == 0.9
+    assert all(l["mlp_zero_fraction"] >= 0.8 for l in lines if "loss" in l)
+
+    assert train(_recipe(workspace, tmp_path / "split", **keys), progress=False, stop_after=2) is None
+    moved = tmp_path / "split" / "thresholds.json"
+    moved.rename(tmp_path / "aside.json")
+    with pytest.raises(SparseforgeError, match="thresholds.json is missing"):
+        train(_recipe(workspace, tmp_path / "split", **keys), resume=True, progress=False)
+    (tmp_path / "aside.json").rename(moved)
+    train(_recipe(workspace, tmp_path / "split", **keys), resume=True, progress=False)
+    assert _losses(tmp_path / "split")[0] == pytest.approx(full, rel=1e-6)
+
+
+@pytest.mark.parametrize("keys, match", [({"target_zeros": 1.5}, "between 0 and 1"), ({"target_zeros": 0}, "between 0 and 1"),
+                                         ({"target_zeros": 0.9, "activation": "relu"}, "use activation drelu")])
+def test_bad_target_zeros_is_refused(workspace, tmp_path, keys, match):
+    with pytest.raises(SparseforgeError, match=match):
+        _recipe(workspace, tmp_path / "run", **keys)
+
+
+def test_state_saves_of_a_tied_head_print_no_warning(workspace, tmp_path, caplog):
+    """The tiny llama ties its head to the embeddings; accelerate's note that a state save left the head out is dropped."""
+    with caplog.at_level("WARNING"):
+        train(_recipe(workspace, tmp_path / "run", max_steps=1, eval_every=0, save_every=1), progress=False)
+    assert not [r for r in caplog.records if "Removed shared tensor" in r.getMessage()]

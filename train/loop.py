@@ -5,6 +5,7 @@ Run directory (`output_dir`):
     recipe.yaml          the resolved recipe
     metrics.jsonl        one JSON line per logged step / validation / stage (main process)
     layerwise.json       per-layer stats of layer-wise distillation (when enabled)
+    thresholds.json      per-layer dReLU thresholds set after stage 1 (when target_zeros is set)
     state/step-NNNNNN/   resumable state: accelerate's (model, optimizer, scheduler, RNG) + data.json
     checkpoint/          the result: a sparse checkpoint, same contract as `sparseforge convert`
 
@@ -15,6 +16,7 @@ crash, a full disk or a half-finished deletion is skipped, never loaded).
 
 import copy
 import json
+import logging
 import math
 import os
 import secrets
@@ -27,18 +29,32 @@ import torch
 import yaml
 
 from sparseforge.atomic import fsync_tree
-from sparseforge.checkpoint import atomic_write_text, carry_source, save_sparse
+from sparseforge.checkpoint import atomic_write_text, carry_source, save_sparse, write_artifact
 from sparseforge.errors import SparseforgeError
 from sparseforge.files import read_json
 from sparseforge.families import is_sparse
 from sparseforge.sources import load_model
 from sparseforge.sparsify.convert import convert_model, model_card
+from sparseforge.sparsify.threshold import THRESHOLDS_FILE_VERSION
 from sparseforge.train.hooks import ActivationHooks
 from sparseforge.train.layerwise import LayerwiseSettings, distill_layerwise
 from sparseforge.train.mixture import build_mixture, validation_windows
 from sparseforge.train.objective import Objective, model_validation_loss, teacher_outputs, validation_loss
 from sparseforge.train.recipe import Recipe
 from sparseforge.train.schedules import lr_multiplier, ramp
+from sparseforge.train.thresholds import set_thresholds
+
+
+class _TiedHeadNote(logging.Filter):
+    """Drops accelerate's note that a state save left out the lm_head of a model with tied embeddings: the head is the
+    embedding matrix, and loading the state ties it again (the resume tests pin this)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("Removed shared tensor" in message and "lm_head" in message and "embed" not in message)
+
+
+logging.getLogger("accelerate.utils.other").addFilter(_TiedHeadNote())
 
 
 def _models(r: Recipe):
@@ -254,6 +270,11 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
         log.write({k: v for k, v in record.items() if k != "layers"})
         if main:
             atomic_write_text(run_dir / "layerwise.json", json.dumps(record, indent=1) + "\n")
+    if r.target_zeros is not None:
+        record = set_thresholds(r, model, run_dir, latest, build_mixture(r.sources, seq_len=r.seq_len, seed=r.seed, **data), main, progress and main)
+        if record is not None:
+            log.write(record)
+            val_loss_now = None  # the thresholds changed the model: measure it again
     if r.distill_kl == 0:
         teacher = None
     elif teacher is not None:
@@ -367,6 +388,8 @@ def _write_checkpoint(accelerator, objective, tokenizer, r: Recipe, run_dir: Pat
         sparsity["layerwise_tokens"] = sparsity.get("layerwise_tokens", 0) + r.layerwise_tokens
         source = sparsity.get("source")  # the dense original (convert records it; _models carries it from a sparse start)
         save_sparse(unwrapped, tokenizer, checkpoint, force=True, card=model_card(source, unwrapped.config) if source else None)
+        if r.target_zeros is not None:  # how the thresholds were calibrated, as `sparseforge threshold` records it
+            write_artifact(checkpoint, "thresholds", read_json(run_dir / "thresholds.json"), THRESHOLDS_FILE_VERSION)
     accelerator.wait_for_everyone()
     if r.report_to:
         accelerator.end_training()

@@ -65,6 +65,7 @@ class Recipe:
     layerwise_inputs: str = "teacher"  # teacher: MLP inputs from the dense model; student: from already-distilled layers
     layerwise_target: str = "mlp"  # mlp: the dense MLP's output; stream: the dense model's stream minus the student's (student inputs)
     layerwise_init: str = "lsq"  # lsq: per-neuron sign of (up, down), then down by least squares, before Adam; none: as converted
+    target_zeros: float | None = None  # dReLU thresholds set after stage 1 for this fraction of exact zeros per layer, kept while training end to end (null: none)
     device: str = "auto"  # auto: accelerate's choice; cpu forces CPU
     stages: dict = field(default_factory=dict)  # `sparseforge run`: extra arguments of the later stages (sparseforge/pipeline.py)
 
@@ -160,6 +161,10 @@ def validate(recipe: Recipe) -> Recipe:
         raise SparseforgeError(f"recipe key 'layerwise_init' is {r.layerwise_init!r}; use lsq or none")
     if r.max_steps and r.warmup_steps > r.max_steps:
         raise SparseforgeError(f"warmup_steps ({r.warmup_steps}) exceeds max_steps ({r.max_steps}); lower warmup_steps")
+    if r.target_zeros is not None and not 0 < r.target_zeros < 1:
+        raise SparseforgeError(f"recipe key 'target_zeros' must be a fraction between 0 and 1 (e.g. 0.85) or null, got {r.target_zeros}")
+    if r.target_zeros is not None and r.activation != "drelu":
+        raise SparseforgeError(f"recipe key 'target_zeros' sets dReLU thresholds; activation is {r.activation!r}: use activation drelu or target_zeros: null")
     if r.activation in ("shifted_relu", "fatrelu") and r.threshold is None:
         raise SparseforgeError(f"activation {r.activation} needs recipe key 'threshold'")
     if r.swap_steps and r.activation == "silu":
