@@ -20,7 +20,8 @@ def set_thresholds(r: Recipe, model, run_dir: Path, latest: Path | None, mixture
     path = run_dir / "thresholds.json"
     if latest is not None:
         if not path.is_file():
-            raise SparseforgeError(f"{path} is missing: the saved state was trained with thresholds; restore the file or start the run again without --resume")
+            raise SparseforgeError(f"{path} is missing: resuming with target_zeros needs the thresholds the run was trained with; restore the file, "
+                                   "or set target_zeros: null if the run started without it")
         apply_thresholds(model, read_json(path)["thresholds"])
         return None
     start = time.perf_counter()
