@@ -40,7 +40,7 @@ def predictors_calibrate(ckpt: Path) -> str:
     if not c:
         return f"recall target {p['target_recall']:g}" if p else ""
     point = next(q for q in c["points"] if q["target_recall"] == c["knee"])
-    return (f"knee at recall {c['knee']:g}: predicted active {_pct(point['heldout']['predicted_fraction'])}, "
+    return (f"knee at recall {c['knee']:g}: predicted active {_pct(point['fresh']['predicted_fraction'])} on fresh text, "
             f"ppl {100 * point['ppl_increase']:+.2f}% vs exact mask")
 
 
