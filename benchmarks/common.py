@@ -102,3 +102,35 @@ def write_results(name: str, data: dict, table: str, out_dir: Path = RESULTS) ->
     load = ", ".join(f"{x:.1f}" for x in env["loadavg_start"]) + " → " + ", ".join(f"{x:.1f}" for x in data["loadavg_end"])
     atomic_write_text(md, f"{table}\n\n{env['date']}, {env['threads']} thread(s), load average {load}; command: `{data['command']}`\n")
     return js, md
+
+
+def mlp_bytes(model) -> int:
+    """MLP weight bytes a dense decode step reads: every neuron's gate and up rows and down column (routed experts)."""
+    from sparseforge.runtime.units import row_bytes
+
+    total = 0
+    for lw in model.weights.layers:
+        if lw.dense:
+            gate_up, down = lw.dense[0]
+            total += gate_up.nbytes + down.nbytes
+        else:
+            total += 3 * lw.units[0].bundles.shape[0] * row_bytes(lw.units[0])
+    return total * model.top_k
+
+
+def bytes_bound(rows: list[dict], contestants) -> list[str]:
+    """Per precision, the speed a step reading only the fired neurons' rows would reach at the dense row's efficiency
+    (dense bytes ÷ those bytes), and each sparseforge row's share of it; returns the notes that state the bounds."""
+    notes = []
+    mlp = {(prec, c.name): c.mlp_bytes for prec, c in contestants if hasattr(c, "mlp_bytes")}
+    for row in rows:
+        dense = next((d for d in rows if d["mode"] == "dense" and d["precision"] == row["precision"] and d["full_head"] == row["full_head"]), None)
+        if row["mode"] is None or dense is None or not dense["neurons_fired"] or not dense["bytes_per_token"]:
+            continue
+        floor = dense["bytes_per_token"] - (1 - dense["neurons_fired"]) * mlp[dense["precision"], dense["engine"]]
+        row["bytes_bound"] = dense["bytes_per_token"] / floor
+        row["of_bound"] = row["decode_tps"] / dense["decode_tps"] / row["bytes_bound"]
+        if row is dense:
+            notes.append(f"{row['precision']}{' full head' if row['full_head'] else ''}: bytes bound {row['bytes_bound']:.2f}x dense "
+                         f"({floor / 1e6:.1f} MB / token: the dense step less the rows of the {1 - dense['neurons_fired']:.1%} of neurons that do not fire)")  # fmt: skip
+    return notes

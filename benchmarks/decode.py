@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_CKPT, markdown_table, median, setup, time_stream, write_results  # noqa: E402
+from common import DEFAULT_CKPT, bytes_bound, markdown_table, median, mlp_bytes, setup, time_stream, write_results  # noqa: E402
 from gguf_export import export_gguf, original_smollm2_gguf  # noqa: E402
 
 from sparseforge.data import pretrain_prompt  # noqa: E402
@@ -73,6 +73,7 @@ class Sparseforge:
         if self.full_head:
             self.name += " (full head)"
         self.bytes, self.sampling = [], sampling or {}
+        self.mlp_bytes = mlp_bytes(self.engine.model)
 
     def run(self, ids, n):
         from sparseforge.runtime.engine import GenerationConfig
@@ -81,7 +82,7 @@ class Sparseforge:
         out = time_stream(self.engine.generate(ids, GenerationConfig(max_new_tokens=n, stop_ids=(), **self.sampling)))
         stats = self.engine.stats()
         self.bytes.append(stats["bytes_touched_per_decode_token"])
-        self.computed, self.fired = stats["neurons_computed_fraction"], stats["neurons_fired_fraction"]
+        self.computed, self.fired = stats["decode_neurons_computed_fraction"], stats["decode_neurons_fired_fraction"]
         return out
 
     def bytes_per_token(self):
@@ -377,6 +378,7 @@ def run(args) -> None:
         row["sparse_speedup"] = sparse["decode_tps"] / row["decode_tps"] if sparse and row["decode_tps"] else None
         # the same ratio taken within each repetition (neighbours in time), then the median: robust to load drift
         row["sparse_speedup_paired"] = median([a / b for a, b in zip(sparse["decode_all"], row["decode_all"])]) if sparse else None
+    notes += bytes_bound(rows, contestants)
     for _, c in contestants:
         if hasattr(c, "close"):
             c.close()
@@ -385,7 +387,7 @@ def run(args) -> None:
             "new_tokens": args.new_tokens, "reps": args.reps, "rows": rows, "notes": notes}  # fmt: skip
     cols = [("precision", "precision", ""), ("engine", "engine", ""), ("decode_tps", "decode tok/s", ".1f"), ("prefill_tps", "prefill tok/s", ".0f"),
             ("sparse_speedup", "sparse ÷ this", ".2f"), ("sparse_speedup_paired", "paired", ".2f"), ("mb_per_token", "MB touched / token", ".1f"), ("roofline", "roofline fraction", ".2f"),
-            ("neurons_computed", "neurons computed", ".3f"), ("neurons_fired", "neurons fired", ".3f")]  # fmt: skip
+            ("of_bound", "of bytes bound", ".2f"), ("neurons_computed", "neurons computed", ".3f"), ("neurons_fired", "neurons fired", ".3f")]  # fmt: skip
     table = markdown_table(rows, cols) + f"\n\nread bandwidth {bandwidth['read_gbs']:.1f} GB/s, copy {bandwidth['copy_gbs']:.1f} GB/s ({args.threads} threads)"
     table += "".join(f"\n- {n}" for n in notes)
     for path in write_results(args.out or f"decode-t{args.threads}", data, table):

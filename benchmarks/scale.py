@@ -117,8 +117,8 @@ class Run:
         self.results.append(time_stream(self.engine.generate(ids, GenerationConfig(max_new_tokens=n, stop_ids=())))[1])
         s = self.engine.stats()
         self.bytes.append(s["bytes_touched_per_decode_token"])
-        self.computed.append(s["neurons_computed_fraction"])
-        self.fired.append(s["neurons_fired_fraction"])
+        self.computed.append(s["decode_neurons_computed_fraction"])
+        self.fired.append(s["decode_neurons_fired_fraction"])
 
 
 def measure(runs: list[Run], ids, n, reps, alternate: bool) -> None:

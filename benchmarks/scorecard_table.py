@@ -7,7 +7,7 @@ masks, side by side (accuracy, perplexity, sparsity, speed), from the checkpoint
 Nothing is measured here: every cell is a value `sparseforge scorecard` (with `eval`, `measure` and `predictors eval`
 before it) wrote into CKPT/scorecard.json, which the results JSON keeps whole. A cell the scorecard has no value for
 prints as —: the original's perplexity and sparsity (the pipeline scores the original for accuracy only) and the
-exact-mask speed unless the scorecard timed `--modes dense,oracle,sparse`.
+exact-mask speed unless the scorecard timed `screen` or `oracle` (`--modes dense,sparse,screen`; the screen when both).
 """
 
 import argparse
@@ -18,13 +18,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, environment, markdown_table, write_results  # noqa: E402
 
+from sparseforge.eval.scorecard import speed_mode  # noqa: E402
+
 COLUMNS = (("original", "original (dense)"), ("oracle", "dReLU, exact masks"), ("sparse", "dReLU, predicted masks"))
 
 
 def rows(card: dict) -> list[dict]:
     """One dict per table row: `what`, then one formatted cell per column key of COLUMNS."""
     acc, speed, pred = card.get("accuracy") or {}, (card.get("speed") or {}).get("modes", {}), (card.get("predictors") or {}).get("eval") or {}
-    modes = {"original": "dense", "oracle": "oracle", "sparse": "sparse"}  # the dense engine mode reads what the original reads
+    modes = {k: speed_mode(k, speed) for k, _ in COLUMNS if speed_mode(k, speed)}  # the dense engine mode reads what the original reads
     masks = {"oracle": "oracle", "sparse": "predicted"}
     out = []
     if acc.get("average"):

@@ -133,7 +133,8 @@ def _register_scorecard(subparsers) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("ckpt", help="a sparse checkpoint with predictors (run `sparseforge eval` first for the accuracy rows)")
-    p.add_argument("--modes", default="dense,sparse", help="engine modes to time, comma-separated (dense, oracle, sparse)")
+    p.add_argument("--modes", default="dense,sparse", help="engine modes to time, comma-separated (dense, sparse, oracle, screen; "
+                   "the exact-mask accuracy is shown at the screen's speed when it is timed, else the oracle's)")
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for prefill (real pretraining text)")
     p.add_argument("--decode-tokens", type=int, default=32, help="greedy decode steps per repetition")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per mode (after one warm-up), medians reported")
@@ -147,7 +148,11 @@ def scorecard_command(args) -> int:
     from sparseforge.errors import SparseforgeError
     from sparseforge.eval.scorecard import SpeedSettings, make_scorecard, markdown
 
+    from sparseforge.runtime.model import MODES
+
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    if not modes or any(m not in MODES for m in modes):
+        raise SparseforgeError(f"--modes {args.modes!r}: give engine modes from {', '.join(MODES)}, comma-separated, e.g. dense,sparse,screen")
     if args.repeats < 1 or args.decode_tokens < 1 or args.prompt_tokens < 2:
         raise SparseforgeError("--repeats and --decode-tokens must be >= 1 and --prompt-tokens >= 2")
     settings = SpeedSettings(modes, args.prompt_tokens, args.decode_tokens, args.repeats, args.threads, args.context)

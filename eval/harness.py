@@ -9,8 +9,12 @@ pinned to this backend by its parity test (tests/test_eval_adapter.py). lm-eval 
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sparseforge.errors import SparseforgeError
+
+if TYPE_CHECKING:
+    import lm_eval
 
 _MISSING = "lm-eval is not installed; pip install 'sparseforge[eval]' (lm-eval==0.4.13)"
 

@@ -7,7 +7,8 @@ What a decode step touches is counted from what the kernels read:
 - the MLPs: a PyTorch or dense MLP reports its bytes, a screen (runtime/screen.py) the int8 rows it read; the native sparse kernel counts the up rows and down
   columns it reads into `rows_read` (a tensor it writes through a pointer), and every computed neuron reads its gate row;
 - the head: all of it, or the screen and its candidates' rows (runtime/head.py).
-Prefill steps count tokens and seconds only.
+Prefill steps count tokens and seconds only. Neurons are counted over every row, and over decode steps alone
+(`decode_neurons_*`: a screen computes a prefill's neurons in full, so the two differ).
 """
 
 import torch
@@ -46,6 +47,8 @@ class Meter:
         self.decode_bytes = 0
         self.step_bytes = 0  # MLP and head bytes of the forward in progress
         self.screened_tokens = self.screen_candidates = 0
+        self.decode_computed = self.decode_slots = self.decode_fired = 0  # the neuron counts of decode steps alone
+        self._mark = (0, 0, 0)  # the neuron totals when the last step closed
 
     def mlp(self, computed: int, slots: int, fired: int, weight_bytes: int) -> None:
         """A PyTorch or dense MLP over some rows: neurons computed, neurons it could have computed, neurons that fired."""
@@ -74,10 +77,17 @@ class Meter:
             self.screened_tokens += 1
             self.screen_candidates += candidates
 
+    def _neuron_totals(self) -> tuple[int, int, int]:
+        return self.neurons_computed + self.row_neurons, self.neuron_slots, self.neurons_fired + int(self.rows_read[1])
+
     def step(self, rows: int, tokens: int, seconds: float, length: int) -> None:
         """Close a forward of `tokens` positions in each of `rows` rows, written after `length` cached ones. One position:
-        a decode step, with its bytes; more: prefill."""
+        a decode step, with its bytes and neurons; more: prefill."""
+        totals = self._neuron_totals()
         if tokens == 1:
+            self.decode_computed += totals[0] - self._mark[0]
+            self.decode_slots += totals[1] - self._mark[1]
+            self.decode_fired += totals[2] - self._mark[2]
             self.decode_tokens += rows
             self.decode_seconds += seconds
             self.decode_bytes += self.step_bytes + self.static_bytes + rows * (length + 1) * self.kv_bytes_per_position
@@ -85,6 +95,7 @@ class Meter:
             self.prefill_tokens += rows * tokens
             self.prefill_seconds += seconds
         self.step_bytes = 0
+        self._mark = totals
 
     def counters(self) -> dict:
         """The figures `Engine.stats` reports from the counters."""
@@ -99,6 +110,8 @@ class Meter:
             "decode_tokens_per_second": self.decode_tokens / self.decode_seconds if self.decode_seconds else None,
             "neurons_computed_fraction": (self.neurons_computed + self.row_neurons) / slots if slots else None,
             "neurons_fired_fraction": (self.neurons_fired + down) / slots if slots else None,
+            "decode_neurons_computed_fraction": self.decode_computed / self.decode_slots if self.decode_slots else None,
+            "decode_neurons_fired_fraction": self.decode_fired / self.decode_slots if self.decode_slots else None,
             "predictor_seconds": self.predictor_seconds,
             "bytes_touched_per_decode_token": decode_bytes / self.decode_tokens if self.decode_tokens else None,
             "head_rows_per_screened_token": self.screen_candidates / self.screened_tokens if self.screened_tokens else None,

@@ -14,8 +14,9 @@ in any summation order,
     g <= s fl(Q . x) + r |x|_2 + 2u |s fl(Q . x)|     (PyTorch: float32 x)
 
 (Cauchy-Schwarz on the rounding of w, the float error bound of a dot product, and on the rounding of x). A neuron
-whose gate bound makes the activation zero, or, for dReLU, whose up bound is <= 0, is zero in the exact-mask
-(oracle) forward too; the others go to the sparse kernel, which computes them in full precision. So a screen step
+whose gate bound G makes the activation zero, or, for dReLU, whose up bound U is <= 0, or, for a thresholded dReLU
+(h = relu(g) relu(u), zeroed where h <= t), whose product G U is <= t (float rounding is monotone, so fl(g u) <= t
+too), is zero in the exact-mask (oracle) forward too; the others go to the sparse kernel, which computes them in full precision. So a screen step
 equals the oracle step up to the float order of the kept neurons' sums, with no predictor and no training.
 
 Per token and unit a native step reads the gate screen of every neuron (H + 12 bytes each), the up screen of the
@@ -152,7 +153,7 @@ def screen_native(screen: UnitScreen, x: torch.Tensor, threads: int) -> tuple[to
                                        kernels.ACT_CODES[act.kind], act.threshold, screen.ids.data_ptr(),
                                        screen.up_rows.data_ptr(), threads)  # fmt: skip
     if n < 0:
-        raise MemoryError(f"sf_mlp_screen could not allocate its {screen.intermediate} flags")
+        raise MemoryError(f"sf_mlp_screen could not allocate its {screen.intermediate} flags and bounds")
     return screen.ids[:n], (screen.intermediate + int(screen.up_rows[0]) - before) * screen.row_bytes
 
 
@@ -172,5 +173,8 @@ def screen_torch(screen: UnitScreen, x: torch.Tensor) -> tuple[torch.Tensor, int
     keep = ~(g <= (act.threshold if act.kind in ("shifted_relu", "fatrelu") else 0.0))  # NaN keeps the neuron
     up_rows = int(keep.sum())
     if screen.up is not None:
-        keep &= ~(_upper(screen.up, x, xl2) <= 0)
+        u = _upper(screen.up, x, xl2)
+        keep &= ~(u <= 0)
+        if act.kind == "drelu" and act.threshold > 0:  # where keep holds, g > 0 and u > 0: bound the product
+            keep &= ~(g * u * (1 + 1e-9) <= act.threshold)
     return keep, (x.shape[0] * screen.intermediate + up_rows) * screen.row_bytes

@@ -7,7 +7,6 @@ piece); `_Worker` keeps a bounded queue of `_Job`s and posts each job's pieces b
 import asyncio
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field

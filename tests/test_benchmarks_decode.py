@@ -74,3 +74,31 @@ def test_powerinfer_real_run(decode):
     assert prefill_s > 0 and decode_tps > 0 and engine.weight_bytes > 0
     with pytest.raises(SparseforgeError, match="loads it as 'mostly F16'"):
         decode.PowerInfer(binary, gguf, "Q4_0", "Hi", context=64, threads=1).run([0], 2)
+
+
+def test_bytes_bound_per_precision(decode, tmp_path):
+    """The bound is the dense step's bytes over those of a step reading only the fired neurons' rows, taken per
+    precision from that precision's own dense engine (the engines share names across precisions)."""
+    from tiny import tiny_model, tiny_tokenizer
+
+    from sparseforge.checkpoint import save_sparse
+    from sparseforge.runtime.engine import Engine
+    from sparseforge.sparsify.convert import convert_model
+
+    model = convert_model(tiny_model("llama"), "drelu")
+    save_sparse(model, tiny_tokenizer(), tmp_path / "ckpt")
+    c = model.config
+    contestants, rows = [], []
+    for prec, dtype, elem in (("fp32", "float32", 4), ("fp16", "float16", 2)):
+        for mode in ("dense", "screen"):
+            engine = Engine.load(tmp_path / "ckpt", mode=mode, weight_dtype=dtype, progress=False)
+            mlp = decode.mlp_bytes(engine.model)
+            assert mlp == c.num_hidden_layers * 3 * c.intermediate_size * c.hidden_size * elem
+            contestants.append((prec, argparse.Namespace(name=f"sparseforge {mode}", mlp_bytes=mlp)))
+            rows.append({"precision": prec, "engine": f"sparseforge {mode}", "mode": mode, "full_head": True, "neurons_fired": 0.25,
+                         "bytes_per_token": 2 * mlp if mode == "dense" else mlp, "decode_tps": 10.0 if mode == "dense" else 15.0})
+    notes = decode.bytes_bound(rows, contestants)
+    assert len(notes) == 2 and all("bytes bound 1.60x" in n for n in notes)  # 2m / (2m - 0.75 m)
+    for row in rows:
+        assert row["bytes_bound"] == pytest.approx(1.6)
+        assert row["of_bound"] == pytest.approx((1.5 if row["mode"] == "screen" else 1.0) / 1.6)

@@ -11,6 +11,7 @@ from sparseforge.checkpoint import save_sparse, write_artifact
 from sparseforge.cli import main
 from sparseforge.data import default_pretrain_glob, expand
 from sparseforge.errors import SparseforgeError
+from sparseforge.eval.scorecard import points
 from sparseforge.sparsify.convert import convert_model
 
 try:
@@ -31,12 +32,15 @@ def test_scorecard_end_to_end(tmp_path, one_thread, capsys):
            (("original", 0.6), ("oracle", 0.55), ("sparse", 0.5))}, "deltas": {}}  # fmt: skip
     write_artifact(ckpt, "eval", {"tasks": ["sf_piqa"], "limit": 8, "original": "tiny", "configs": {"original": {}, "oracle": {}, "sparse": {}},
                                   "rows": [row], "average": {"values": {"original": 0.6, "oracle": 0.55, "sparse": 0.5}, "deltas": {}}}, 1)  # fmt: skip
-    argv = ["scorecard", str(ckpt), "--prompt-tokens", "16", "--decode-tokens", "4", "--repeats", "2", "--context", "64", "--no-progress"]
+    argv = ["scorecard", str(ckpt), "--prompt-tokens", "16", "--decode-tokens", "4", "--repeats", "2", "--context", "64", "--no-progress",
+            "--modes", "dense,sparse,screen"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "| dense |" in out and "| sparse |" in out and "sparse: average accuracy 0.5000" in out
     card = json.loads((ckpt / "scorecard.json").read_text())
-    assert card["format_version"] == 1 and set(card["speed"]["modes"]) == {"dense", "sparse"}
+    assert card["format_version"] == 1 and set(card["speed"]["modes"]) == {"dense", "sparse", "screen"}
+    assert {p["config"]: p["mode"] for p in points(card)} == {"original": "dense", "oracle": "screen", "sparse": "sparse"}
+    assert card["speed"]["modes"]["screen"]["neurons_computed_fraction"] < 1.0  # per decode step
     for mode in card["speed"]["modes"].values():
         assert len(mode["decode_runs"]) == 2 and all(r > 0 for r in mode["decode_runs"] + mode["prefill_runs"])
         assert mode["resident_weight_bytes"] > 0
@@ -51,3 +55,5 @@ def test_scorecard_end_to_end(tmp_path, one_thread, capsys):
 def test_scorecard_checks_lengths(tmp_path, capsys):
     assert main(["scorecard", str(tmp_path), "--repeats", "0"]) == 2
     assert "--repeats" in capsys.readouterr().err
+    assert main(["scorecard", str(tmp_path), "--modes", "dense,fast"]) == 2
+    assert "'dense,fast'" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from sparseforge.runtime.screen import screen_native, screen_torch, unit_screen
 from sparseforge.runtime.store import tiered_units
 from sparseforge.sparsify.convert import convert_model
 from sparseforge.sparsify.hf_code.modeling_sparseforge import GatedActivation
+from sparseforge.sparsify.threshold import apply_thresholds, calibrate_thresholds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NATIVE = [True, False] if kernels.native() is not None else [False]
@@ -28,6 +29,11 @@ def ckpts(tmp_path_factory):
         model = convert_model(tiny_model(family), act)
         save_sparse(model, tiny_tokenizer(), root / name)
         out[name] = (model, root / name)
+    model = convert_model(tiny_model("llama"), "drelu")  # per-layer thresholds for 85% zeros (the recipes' target_zeros)
+    windows = torch.randint(0, 300, (8, 16), generator=torch.Generator().manual_seed(3)).tolist()
+    apply_thresholds(model, calibrate_thresholds(model, windows, 128, 0.85, progress=False)["thresholds"])
+    save_sparse(model, tiny_tokenizer(), root / "thresholded")
+    out["thresholded"] = (model, root / "thresholded")
     return out
 
 
@@ -99,6 +105,27 @@ def test_screen_keeps_a_gate_whose_int8_copy_points_the_other_way():
             assert i in screen_native(screen, x[0].contiguous(), 1)[0].tolist()
 
 
+def test_a_thresholded_drelu_screen_bounds_the_product():
+    """With h = relu(g) relu(u) zeroed where h <= t, the screen also drops neurons whose gate and up bounds are both
+    positive but multiply to <= t: fewer kept than the sign-only screen, and still every neuron that fires."""
+    g = torch.Generator().manual_seed(4)
+    gate, up = _rows(256, 96, torch.float32, g), _rows(256, 96, torch.float32, g)
+    x = torch.randn(4, 96, generator=g) * 0.3
+    h = torch.relu(x @ gate.T) * torch.relu(x @ up.T)
+    t = float(h[h > 0].quantile(0.6))
+    signs, product = unit_screen(gate, up, GatedActivation("drelu")), unit_screen(gate, up, GatedActivation("drelu", t))
+    fires = GatedActivation("drelu", t)(x @ gate.T, x @ up.T) != 0
+    runs = [(screen_torch(signs, x)[0], screen_torch(product, x)[0])]
+    if kernels.native() is not None:
+        masks = [[torch.zeros(256, dtype=torch.bool).index_fill_(0, screen_native(s, r.contiguous(), 1)[0], True) for r in x]
+                 for s in (signs, product)]  # fmt: skip
+        runs.append((torch.stack(masks[0]), torch.stack(masks[1])))
+    for sign_keep, product_keep in runs:
+        assert not (fires & ~product_keep).any()
+        assert not (product_keep & ~sign_keep).any()
+        assert int(product_keep.sum()) < 0.8 * int(sign_keep.sum())
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_sparse_kernel_over_the_kept_neurons_equals_it_over_all(dtype):
@@ -120,7 +147,7 @@ def test_sparse_kernel_over_the_kept_neurons_equals_it_over_all(dtype):
         assert ids.numel() < inter
 
 
-@pytest.mark.parametrize("name", ["llama", "mixtral", "relu"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "relu", "thresholded"])
 def test_screen_logits_equal_the_oracle_and_the_hf_model(ckpts, name):
     model, ckpt = ckpts[name]
     ids = _ids(t=10)
@@ -165,6 +192,23 @@ def test_screen_reads_fewer_bytes_than_oracle_and_dense(ckpts, weight_dtype):
     assert s["neurons_fired_fraction"] == pytest.approx(stats["oracle"]["neurons_fired_fraction"], abs=1e-9)
     assert s["neurons_fired_fraction"] <= s["neurons_computed_fraction"] < 1.0
     assert s["resident_weight_bytes"] > stats["oracle"]["resident_weight_bytes"]  # the int8 gate and up copies
+    # a prefill of more than SCREEN_ROWS positions computes every neuron; decode steps count on their own
+    assert s["decode_neurons_fired_fraction"] <= s["decode_neurons_computed_fraction"] < s["neurons_computed_fraction"]
+
+
+def test_decode_neuron_counts_are_the_decode_steps_alone(ckpts):
+    """A one-token prompt makes every forward a decode step: the decode-only counts equal the totals; a longer prompt
+    adds a prefill that the totals count and the decode-only counts do not."""
+    _, ckpt = ckpts["thresholded"]
+    engine = Engine.load(ckpt, mode="screen", context=64, progress=False)
+    list(engine.generate([5], GenerationConfig(max_new_tokens=6, stop_ids=())))
+    s = engine.stats()
+    assert s["decode_neurons_computed_fraction"] == s["neurons_computed_fraction"]
+    assert s["decode_neurons_fired_fraction"] == s["neurons_fired_fraction"]
+    engine.reset_stats()
+    list(engine.generate([5] * 9, GenerationConfig(max_new_tokens=6, stop_ids=())))
+    t = engine.stats()
+    assert t["neurons_computed_fraction"] > t["decode_neurons_computed_fraction"]
 
 
 def test_screen_over_disk_backed_units_equals_the_resident_screen(tmp_path):

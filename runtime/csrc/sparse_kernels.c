@@ -797,7 +797,8 @@ int sf_sparse_mlp(const void *bundles, const float *scales, const float *channel
  *     g <= s d (Q . q) + r |x|_2 + n |x - d q|_2
  * where x is rounded to int16 with one scale d (quantize_q16) and Q . q is summed exactly in integers. A neuron is
  * proven zero when that bound makes its gate kill the activation (gate_kills) or, for dReLU with up tables, makes
- * up <= 0: the sparse kernel would compute it as zero. ids (int64 [inter]) receives the other neurons, ascending;
+ * up <= 0 or, with a threshold t > 0, bounds the product: relu(g) relu(u) <= G U <= t with G, U the gate and up bounds
+ * (float rounding is monotone, so fl(g u) <= t too). The sparse kernel would compute such a neuron as zero. ids (int64 [inter]) receives the other neurons, ascending;
  * returns their count; *up_rows += the up rows screened (those of the neurons the gate did not prove zero). */
 /* gate_kills for every float gate value g <= hi (compared in double: no rounding of hi) */
 static SF_INLINE int bound_kills(int act, double hi, float t) {
@@ -808,9 +809,11 @@ static SF_INLINE int bound_kills(int act, double hi, float t) {
     }
 }
 
+/* gate pass (up = 0): rows NULL, hi[i] = the gate bound of neuron i; up pass: rows = the gate's survivors, hi read */
 static SF_INLINE void screen_pass(const int8_t *Q, const float *s, const float *r, const float *nrm, int64_t hidden, const int64_t *rows,
                                   int64_t m, const int16_t *xq, double d, double xl2, double dl2, int act, float t, int up, char *keep,
-                                  int nthreads) {
+                                  double *ghi, int nthreads) {
+    const int product = up && act == ACT_DRELU && t > 0.0f;
 #pragma omp parallel for schedule(guided) num_threads(threads_for(nthreads, m))
     for (int64_t k0 = 0; k0 < m; k0 += 4) {
         const int8_t *w[4];
@@ -826,7 +829,12 @@ static SF_INLINE void screen_pass(const int8_t *Q, const float *s, const float *
             int64_t i = rows ? rows[k0 + j] : k0 + j;
             double approx = (double)s[i] * d * (double)o[j], bound = (double)r[i] * xl2 + (double)nrm[i] * dl2;
             double hi = approx + bound + 1e-9 * (fabs(approx) + bound);  /* the double products' rounding, generously */
-            keep[k0 + j] = !(up ? hi <= 0.0 : bound_kills(act, hi, t));  /* NaN keeps the neuron */
+            if (!up) {
+                ghi[i] = hi;
+                keep[k0 + j] = !bound_kills(act, hi, t);  /* NaN keeps the neuron */
+            } else {  /* the gate bound is > 0 here; its product with hi > 0, rounded up, against t */
+                keep[k0 + j] = !(hi <= 0.0 || (product && ghi[i] * hi * (1.0 + 1e-9) <= (double)t));
+            }
         }
     }
 }
@@ -845,20 +853,24 @@ int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const 
     }
     const double xl2 = sqrt(ss) * (1.0 + 1e-9), dl2 = sqrt(ds) * (1.0 + 1e-9);
     char *keep = malloc((size_t)inter);
-    if (!keep) return -1;
-    screen_pass(gq, gs, gr, gn, hidden, NULL, inter, xq, d, xl2, dl2, act, t, 0, keep, nthreads);
+    double *ghi = malloc((size_t)inter * sizeof(double));
+    if (!keep || !ghi) {
+        free(keep), free(ghi);
+        return -1;
+    }
+    screen_pass(gq, gs, gr, gn, hidden, NULL, inter, xq, d, xl2, dl2, act, t, 0, keep, ghi, nthreads);
     int64_t n = 0;
     for (int64_t i = 0; i < inter; i++)
         if (keep[i]) ids[n++] = i;
     if (uq && n) {
         *up_rows += n;
-        screen_pass(uq, us, ur, un, hidden, ids, n, xq, d, xl2, dl2, act, t, 1, keep, nthreads);
+        screen_pass(uq, us, ur, un, hidden, ids, n, xq, d, xl2, dl2, act, t, 1, keep, ghi, nthreads);
         int64_t m = 0;
         for (int64_t k = 0; k < n; k++)
             if (keep[k]) ids[m++] = ids[k];
         n = m;
     }
-    free(keep);
+    free(keep), free(ghi);
     return n;
 }
 
