@@ -147,7 +147,6 @@ def _register_scorecard(subparsers) -> None:
 def scorecard_command(args) -> int:
     from sparseforge.errors import SparseforgeError
     from sparseforge.eval.scorecard import SpeedSettings, make_scorecard, markdown
-
     from sparseforge.runtime.model import MODES
 
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())

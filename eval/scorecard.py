@@ -121,11 +121,8 @@ def points(scorecard: dict) -> list[dict]:
     """(configuration, average accuracy, decode tok/s) for every accuracy row whose engine mode was timed."""
     acc = (scorecard.get("accuracy") or {}).get("average", {}).get("values", {})
     modes = scorecard["speed"]["modes"]
-    return [
-        {"config": c, "mode": speed_mode(c, modes), "accuracy": acc[c], "decode_tokens_per_second": modes[speed_mode(c, modes)]["decode_tokens_per_second"]}
-        for c in ACCURACY_TO_MODE
-        if c in acc and speed_mode(c, modes)
-    ]
+    timed = {c: speed_mode(c, modes) for c in ACCURACY_TO_MODE if c in acc}
+    return [{"config": c, "mode": m, "accuracy": acc[c], "decode_tokens_per_second": modes[m]["decode_tokens_per_second"]} for c, m in timed.items() if m]
 
 
 def _save_png(fig, path: Path) -> None:
