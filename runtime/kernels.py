@@ -44,7 +44,7 @@ _SIGNATURES = {
     "sf_predict": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _i64, _p, _f32, _p, _p, _int]),
     "sf_sparse_mlp": (_int, [_p, _p, _p, _int, _i64, _p, _i64, _p, _int, _f32, _f32, _p, _p, _int]),
     "sf_gated_act": (_i64, [_p, _i64, _int, _f32, _p]),
-    "sf_mlp_screen": (_i64, [_p, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _p, _int, _f32, _p, _p, _int]),
+    "sf_mlp_screen": (_i64, [_p, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _p, _int, _f32, _p, _p, _p, _int]),
     "sf_attention_decode": (None, [_p, _p, _p, _p, _f32, _i64, _p, _p, _p, _p, _p, _p, _int, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _int]),
     "sf_rms_norm": (None, [_p, _p, _f32, _i64, _p]),
     "sf_decode_layers": (_int, [_p, _i64, _p, _p, _p, _p, _f32, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _int]),

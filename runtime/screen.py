@@ -62,10 +62,13 @@ class UnitScreen:
     activation: GatedActivation
     ids: torch.Tensor = field(init=False)  # int64 [I]: the native screen's kept ids
     up_rows: torch.Tensor = field(init=False)  # int64 [1]: up rows the native screen read (added to)
+    scratch: torch.Tensor = field(init=False)  # float64: the native screen's gate bounds [I], then its flags (I bytes)
 
     def __post_init__(self):
-        self.ids = torch.empty(self.gate.q.shape[0], dtype=torch.long)
+        rows = self.gate.q.shape[0]
+        self.ids = torch.empty(rows, dtype=torch.long)
         self.up_rows = torch.zeros(1, dtype=torch.long)
+        self.scratch = torch.empty(rows + -(-rows // 8), dtype=torch.float64)
 
     @property
     def intermediate(self) -> int:
@@ -151,9 +154,7 @@ def screen_native(screen: UnitScreen, x: torch.Tensor, threads: int) -> tuple[to
     before = int(screen.up_rows[0])
     n = kernels.native().sf_mlp_screen(*screen.tables(), screen.intermediate, x.shape[0], x.data_ptr(),
                                        kernels.ACT_CODES[act.kind], act.threshold, screen.ids.data_ptr(),
-                                       screen.up_rows.data_ptr(), threads)  # fmt: skip
-    if n < 0:
-        raise MemoryError(f"sf_mlp_screen could not allocate its {screen.intermediate} flags and bounds")
+                                       screen.up_rows.data_ptr(), screen.scratch.data_ptr(), threads)  # fmt: skip
     return screen.ids[:n], (screen.intermediate + int(screen.up_rows[0]) - before) * screen.row_bytes
 
 

@@ -799,7 +799,8 @@ int sf_sparse_mlp(const void *bundles, const float *scales, const float *channel
  * proven zero when that bound makes its gate kill the activation (gate_kills) or, for dReLU with up tables, makes
  * up <= 0 or, with a threshold t > 0, bounds the product: relu(g) relu(u) <= G U <= t with G, U the gate and up bounds
  * (float rounding is monotone, so fl(g u) <= t too). The sparse kernel would compute such a neuron as zero. ids (int64 [inter]) receives the other neurons, ascending;
- * returns their count; *up_rows += the up rows screened (those of the neurons the gate did not prove zero). */
+ * returns their count; *up_rows += the up rows screened (those of the neurons the gate did not prove zero). scratch:
+ * inter doubles and inter bytes of working space (the gate bounds, the keep flags), so a step allocates nothing. */
 /* gate_kills for every float gate value g <= hi (compared in double: no rounding of hi) */
 static SF_INLINE int bound_kills(int act, double hi, float t) {
     switch (act) {
@@ -841,7 +842,7 @@ static SF_INLINE void screen_pass(const int8_t *Q, const float *s, const float *
 
 int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const float *gn, const int8_t *uq, const float *us, const float *ur,
                       const float *un, int64_t inter, int64_t hidden, const float *x, int act, float t, int64_t *ids, int64_t *up_rows,
-                      int nthreads) {
+                      double *scratch, int nthreads) {
     if (inter <= 0) return 0;
     int16_t xq[hidden];
     float df;
@@ -852,12 +853,8 @@ int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const 
         ss += (double)x[i] * x[i], ds += e * e;
     }
     const double xl2 = sqrt(ss) * (1.0 + 1e-9), dl2 = sqrt(ds) * (1.0 + 1e-9);
-    char *keep = malloc((size_t)inter);
-    double *ghi = malloc((size_t)inter * sizeof(double));
-    if (!keep || !ghi) {
-        free(keep), free(ghi);
-        return -1;
-    }
+    double *ghi = scratch;
+    char *keep = (char *)(scratch + inter);
     screen_pass(gq, gs, gr, gn, hidden, NULL, inter, xq, d, xl2, dl2, act, t, 0, keep, ghi, nthreads);
     int64_t n = 0;
     for (int64_t i = 0; i < inter; i++)
@@ -870,7 +867,6 @@ int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const 
             if (keep[k]) ids[m++] = ids[k];
         n = m;
     }
-    free(keep), free(ghi);
     return n;
 }
 
@@ -972,6 +968,7 @@ typedef struct {
     const float *sg_s, *sg_r, *sg_n;
     const int8_t *su_q;
     const float *su_s, *su_r, *su_n;
+    double *sg_scratch; /* the screen's gate bounds and flags (UnitScreen.scratch) */
 } sf_layer;
 
 static double seconds_now(void) {
@@ -1009,8 +1006,7 @@ int sf_decode_layers(const sf_layer *layers, int64_t n_layers, float *x, float *
                 t2 = seconds_now();
             } else if (L->sg_q) {
                 n = sf_mlp_screen(L->sg_q, L->sg_s, L->sg_r, L->sg_n, L->su_q, L->su_s, L->su_r, L->su_n, L->inter, hidden, xn, (int)L->act,
-                                  L->act_threshold, L->ids, stats + 2, nthreads);
-                if (n < 0) return -1;
+                                  L->act_threshold, L->ids, stats + 2, L->sg_scratch, nthreads);
                 t2 = seconds_now();
             }
             if (sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, n, xn, (int)L->act, L->act_threshold,
