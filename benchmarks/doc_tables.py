@@ -62,8 +62,9 @@ def cli_reference() -> str:
     """Every `sparseforge` command: its description and a table of its arguments, from the argparse parsers."""
     from sparseforge.cli import build_parser
 
-    columns = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "1000"  # argparse wraps to the terminal; one line per argument here
+    # argparse wraps to the terminal (one line per argument here); help that names the data root shows the default
+    saved = {k: os.environ.pop(k, None) for k in ("COLUMNS", "SPARSEFORGE_DATA")}
+    os.environ["COLUMNS"] = "1000"
     try:
         out = []
         for name, parser in _commands(build_parser()):
@@ -80,10 +81,11 @@ def cli_reference() -> str:
                 out.append("")
         return "\n".join(out).rstrip("\n")
     finally:
-        if columns is None:
-            os.environ.pop("COLUMNS", None)
-        else:
-            os.environ["COLUMNS"] = columns
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _commands(parser: argparse.ArgumentParser, prefix: str = ""):
