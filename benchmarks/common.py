@@ -64,6 +64,7 @@ def setup(threads: int) -> tuple[dict, dict]:
 
 def environment(threads: int) -> dict:
     """The run's settings and the load average at its start; also quiets transformers' warnings."""
+    import transformers
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -75,6 +76,9 @@ def environment(threads: int) -> dict:
         "threads": threads,
         "loadavg_start": os.getloadavg(),
         "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
 

@@ -53,31 +53,32 @@ def _row_key(recipe: str, overrides: list[str], score: dict) -> str:
 
 
 @torch.no_grad()
-def zero_fraction(model, val: dict) -> float:
+def zero_fraction(model, val: dict, batch: int = 4) -> float:
     from sparseforge.families import mlp_activations
 
-    counts = torch.zeros(2, dtype=torch.float64)
+    device = next(model.parameters()).device
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
 
     def hook(module, args, h):
-        counts[0] += (h == 0).sum().item()
+        counts[0] += (h == 0).sum()
         counts[1] += h.numel()
 
     handles = [a.register_forward_hook(hook) for a in mlp_activations(model)]
     try:
         for windows in val.values():
-            for i in range(0, len(windows), 4):
-                model(torch.as_tensor(windows[i : i + 4]), use_cache=False)
+            for i in range(0, len(windows), batch):
+                model(torch.as_tensor(windows[i : i + batch], device=device), use_cache=False)
     finally:
         for h in handles:
             h.remove()
     return float(counts[0] / counts[1])
 
 
-def score_model(model, tokenizer, score: dict, task_dir: Path) -> dict:
+def score_model(model, tokenizer, score: dict, task_dir: Path, batch: int = 8) -> dict:
     """lm-eval scores {task: {metric: value}} of an in-memory model, each task at its own document limit."""
     from sparseforge.eval.harness import hf_lm, run_tasks, scores
 
-    lm = hf_lm(model, tokenizer, batch_size=8)
+    lm = hf_lm(model, tokenizer, batch_size=batch)
     out = {}
     for task, limit in score.items():
         results = run_tasks(lm, [f"sf_{task}"], task_dir, limit=limit)
@@ -85,14 +86,14 @@ def score_model(model, tokenizer, score: dict, task_dir: Path) -> dict:
     return out
 
 
-def validation(recipe, tokenizer, model) -> dict:
+def validation(recipe, tokenizer, model, batch: int = 4) -> dict:
     from sparseforge.train.mixture import validation_windows
     from sparseforge.train.objective import model_validation_loss
 
     val = validation_windows(recipe.sources, tokenizer, recipe.seq_len, recipe.val_every, recipe.val_tokens, recipe.data_root,
                              recipe.token_cache)
-    loss = model_validation_loss(model, val, torch.device("cpu"), 4)
-    return {"val_loss": loss, "mlp_zero_fraction": zero_fraction(model, val) if hasattr(model.config, "sparsity") else 0.0}
+    loss = model_validation_loss(model, val, next(model.parameters()).device, batch)
+    return {"val_loss": loss, "mlp_zero_fraction": zero_fraction(model, val, batch) if hasattr(model.config, "sparsity") else 0.0}
 
 
 def main(argv=None) -> int:
@@ -106,7 +107,12 @@ def main(argv=None) -> int:
     p.add_argument("rows", help="rows file (YAML), see the module docstring")
     p.add_argument("--work", default=None, help="where rows train (default runs/recovery/<rows file name>)")
     p.add_argument("--only", default=None, help="comma-separated row names to (re)run; the others are kept as they are")
+    p.add_argument("--device", default="auto", help="where rows are scored: cpu, cuda, cuda:N or auto (the GPU when there is "
+                   "one; training runs where each row's recipe `device` says)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per scoring forward (default 8 on a CPU, 16 on a GPU: wikitext windows are 8,192 tokens)")
     args = p.parse_args(argv)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    batch = args.batch_size or (16 if device.type == "cuda" else 8)
     spec = yaml.safe_load(Path(args.rows).read_text())
     name = Path(args.rows).stem
     work = Path(args.work or ROOT / "runs" / "recovery" / name)
@@ -123,7 +129,10 @@ def main(argv=None) -> int:
         result["rows"].append(done["original"])
     else:
         model, tokenizer, _ = load_model(base.model, dtype="float32")
-        result["rows"].append({"name": "original", "key": key, **validation(base, tokenizer, model), "scores": score_model(model, tokenizer, spec["score"], task_dir)})
+        model.to(device)
+        result["rows"].append({"name": "original", "key": key, **validation(base, tokenizer, model, min(batch, 8)),
+                               "scores": score_model(model, tokenizer, spec["score"], task_dir, batch)})
+        del model
     _write(out, result, spec, done)
     only = set(args.only.split(",")) if args.only else None
     for row in spec["rows"]:
@@ -148,13 +157,17 @@ def main(argv=None) -> int:
         steps = [m for m in metrics if "step_seconds" in m]
         seconds = (layerwise["seconds"] if layerwise else 0.0) + sum(
             m["step_seconds"] * (m["step"] - prev) for m, prev in zip(steps, [0] + [m["step"] for m in steps]))
-        model = load_sparse(ckpt)
+        start = next((m["val_loss"] for m in metrics if m.get("step") == 0 and "val_loss" in m and not {"reference", "stage"} & m.keys()), None)
+        model = load_sparse(ckpt).to(device)
         tokenizer = load_model(str(ckpt))[1]
         result["rows"].append({"name": row["name"], "key": key, "set": row.get("set", []), "start": row.get("start"),
                                "train_seconds": seconds, "layerwise_seconds": layerwise["seconds"] if layerwise else 0.0,
                                "trained_tokens": model.config.sparsity.get("trained_tokens", 0),
                                "layerwise_tokens": model.config.sparsity.get("layerwise_tokens", 0),
-                               **validation(recipe, tokenizer, model), "scores": score_model(model, tokenizer, spec["score"], task_dir)})
+                               # validation loss after stage 1, and where the end-to-end steps start (after thresholds)
+                               "val_loss_after_stage1": layerwise["val_loss_after"] if layerwise else None, "val_loss_start": start,
+                               **validation(recipe, tokenizer, model, min(batch, 8)), "scores": score_model(model, tokenizer, spec["score"], task_dir, batch)})
+        del model
         print(table(_write(out, result, spec, done)), flush=True)
     print(table(_write(out, result, spec, done)))
     return 0

@@ -90,6 +90,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--threads", type=int, default=None, help="torch threads on a CPU (default: torch's choice)")
     p.add_argument("--out", default=None, help="result path without suffix (default benchmarks/results/train-throughput-<device>)")
+    p.add_argument("--profile", action="store_true", help="also run torch.profiler over the whole run and write the ops that take "
+                   "the device's time to <out>-profile.md (slows the steps: time without it)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -98,7 +100,8 @@ def main(argv=None) -> int:
         fixed = [f"output_dir={tmp}/run", f"max_steps={args.warmup + args.steps}", "warmup_steps=0", "layerwise_tokens=0",
                  "log_every=1", "eval_every=0", "save_every=0", "report_to=[]"]
         recipe = load_recipe(args.config, args.overrides + fixed)
-        train(recipe, progress=False)
+        with profiler(args.profile) as prof:
+            train(recipe, progress=False)
         lines = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
         start = next(line for line in lines if line.get("event") == "start")
         steps = [line for line in lines if "step_seconds" in line]
@@ -133,7 +136,36 @@ def main(argv=None) -> int:
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(table(result))
     print(table(result))
+    if prof is not None:
+        out.with_name(out.name + "-profile.md").write_text(profile_table(prof, result))
     return 0
+
+
+def profiler(enabled: bool):
+    """torch.profiler over CPU (and CUDA when present) activity, or a no-op context yielding None."""
+    from contextlib import nullcontext
+
+    if not enabled:
+        return nullcontext()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    return torch.profiler.profile(activities=activities)
+
+
+def profile_table(prof, result: dict, rows: int = 30) -> str:
+    """The ops with the most self time on the device (the CPU when there is no GPU), over the whole run: model loading,
+    validation, warm-up and timed steps; with the total busy time per optimizer step beside the median step."""
+    events = prof.key_averages()
+    on_gpu = result["environment"]["device"].startswith("cuda")
+    self_time = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
+    events = sorted((e for e in events if self_time(e) > 0), key=self_time, reverse=True)
+    total_us = sum(self_time(e) for e in events)
+    steps = len(result["step_seconds"])
+    lines = [f"{'Device' if on_gpu else 'CPU'} busy {total_us / 1e6:.2f} s over the run, {total_us / 1e6 / steps:.3f} s per optimizer step "
+             f"(median step {result['median_step_seconds']:.3f} s; the run also loads, validates and warms up).", "",
+             "| op | calls | self time s | share |", "| --- | ---: | ---: | ---: |"]
+    for e in events[:rows]:
+        lines.append(f"| `{e.key[:80]}` | {e.count} | {self_time(e) / 1e6:.3f} | {self_time(e) / total_us:.1%} |")
+    return "\n".join(lines) + f"\n\nCommand: `{result['command']}`\n"
 
 
 def table(r: dict) -> str:

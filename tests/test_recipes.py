@@ -79,6 +79,9 @@ def test_missing_required_and_overrides(tmp_path):
         load_recipe(raw={"model": "m", "sources": BASE["sources"]})
     recipe = load_recipe(raw=BASE, overrides=["max_steps=17", "sources.web.weight=0.5", "report_to=[wandb]"])
     assert recipe.max_steps == 17 and recipe.sources["web"]["weight"] == 0.5 and recipe.report_to == ["wandb"]
+    assert load_recipe(raw=BASE, overrides=["mixed_precision=no"]).mixed_precision == "no"  # YAML 1.1 reads `no` as false
+    with pytest.raises(SparseforgeError, match="'mixed_precision' is 'yes'"):
+        load_recipe(raw=BASE, overrides=["mixed_precision=yes"])
     with pytest.raises(SparseforgeError, match="is not key=value"):
         load_recipe(raw=BASE, overrides=["max_steps"])
     with pytest.raises(SparseforgeError, match="does not exist"):

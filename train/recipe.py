@@ -110,6 +110,8 @@ def _check_type(key: str, value, default):
         value = _number(value)
         if isinstance(default, int) and isinstance(value, float) and value.is_integer():
             value = int(value)  # 1e6 tokens
+    if isinstance(default, str) and isinstance(value, bool):
+        value = "yes" if value else "no"  # YAML 1.1 reads an unquoted `no` (mixed_precision: no) as false
     if isinstance(default, bool):
         ok = isinstance(value, bool)
     elif isinstance(default, int):
