@@ -18,22 +18,31 @@ import torch.nn.functional as F
 IGNORE = -100
 
 
-def _chunk_terms(s_logits, t_logits, labels, temperature: float, ce_scale: float, kl_scale: float):
-    """Loss sums and d(loss)/d(logits) for one chunk. s_logits, t_logits: [c, V] float32; labels: [c]."""
-    valid = (labels != IGNORE)[:, None]  # [c, 1]
+def _chunk_terms(s_logits, t_logits, labels, temperature: float, ce_scale, kl_scale: float):
+    """Loss sums and d(loss)/d(logits) for one chunk. s_logits, t_logits: [c, V] float32; labels: [c].
+
+    d(CE)/d(logits) = softmax(s) - onehot(label); d(T^2 KL)/d(logits) = T (softmax(s / T) - softmax(t / T)). At T = 1
+    both use softmax(s), so the gradient is built in place from one softmax: few passes over the [c, V] tensors."""
+    valid = (labels != IGNORE)[:, None].to(s_logits.dtype)  # [c, 1]
     target = labels.clamp_min(0)[:, None]
     log_p = F.log_softmax(s_logits, dim=-1)  # [c, V]
     ce = -(log_p.gather(1, target) * valid).sum()
-    grad = log_p.exp_()  # softmax, in place: log_p is not needed any more (unless T == 1, below)
-    grad.scatter_add_(1, target, -valid.to(grad.dtype))
-    grad *= valid * ce_scale
     kl = s_logits.new_zeros(())
-    if t_logits is not None:
-        log_q = F.log_softmax(s_logits / temperature, dim=-1) if temperature != 1 else F.log_softmax(s_logits, dim=-1)
-        log_p_t = F.log_softmax(t_logits / temperature, dim=-1)
-        kl = (log_p_t.exp() * (log_p_t - log_q)).sum() * temperature**2
-        # d(T^2 KL)/d(logits) = T (softmax(s / T) - softmax(t / T))
-        grad += (log_q.exp_() - log_p_t.exp_()) * (kl_scale * temperature)
+    row_scale = valid * ce_scale  # [c, 1]
+    if t_logits is None:
+        grad = log_p.exp_().mul_(row_scale)  # softmax, in place: log_p is not needed any more
+    else:
+        kl_coef = kl_scale * temperature
+        log_p_t = F.log_softmax(t_logits / temperature if temperature != 1 else t_logits, dim=-1)
+        log_q = log_p if temperature == 1 else F.log_softmax(s_logits / temperature, dim=-1)
+        p_t = log_p_t.exp()
+        kl = (p_t * (log_p_t - log_q)).sum() * temperature**2
+        if temperature == 1:
+            grad = log_p.exp_().mul_(row_scale + kl_coef)
+        else:
+            grad = log_p.exp_().mul_(row_scale).add_(log_q.exp_(), alpha=kl_coef)
+        grad.sub_(p_t.mul_(kl_coef))
+    grad.scatter_add_(1, target, -row_scale)
     return ce, kl, grad
 
 
