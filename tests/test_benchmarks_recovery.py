@@ -23,3 +23,28 @@ def test_a_partial_run_keeps_the_rows_it_has_not_measured(tmp_path):
     # a row never measured before and not reached now is left out, not invented
     partial = rec._write(tmp_path / "out", result, spec, {"original": done["original"]})
     assert [r["name"] for r in partial["rows"]] == ["original", "b"]
+
+
+def test_zero_fraction_counts_every_activation_at_any_batch():
+    import torch
+
+    from sparseforge.families import mlp_activations
+    from sparseforge.sparsify.convert import convert_model
+    from tiny import tiny_model
+
+    rec = load_script("recovery")
+    model = convert_model(tiny_model("llama"), "drelu").eval()
+    g = torch.Generator().manual_seed(0)
+    val = {"a": torch.randint(0, model.config.vocab_size, (5, 12), generator=g).tolist(),
+           "b": torch.randint(0, model.config.vocab_size, (3, 12), generator=g).tolist()}
+    seen = []
+    handles = [a.register_forward_hook(lambda m, i, h: seen.append(h)) for a in mlp_activations(model)]
+    with torch.no_grad():
+        for windows in val.values():
+            model(torch.tensor(windows), use_cache=False)
+    for h in handles:
+        h.remove()
+    expected = sum(int((h == 0).sum()) for h in seen) / sum(h.numel() for h in seen)
+    assert 0 < expected < 1
+    for batch in (1, 2, 8):
+        assert abs(rec.zero_fraction(model, val, batch) - expected) < 1e-12

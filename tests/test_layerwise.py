@@ -49,3 +49,20 @@ def test_stream_target_matches_mlp_target_at_layer_0_and_needs_student_inputs():
     with pytest.raises(SparseforgeError, match="layerwise_target: stream needs layerwise_inputs: student"):
         distill_layerwise(convert_model(copy.deepcopy(dense), "drelu"), dense, ids,
                           LayerwiseSettings(inputs="teacher", target="stream"), progress=False)
+
+
+@pytest.mark.parametrize("inputs", ["teacher", "student"])
+def test_the_errors_are_measured_on_strided_tokens_and_training_uses_all(monkeypatch, inputs):
+    import sparseforge.train.layerwise as layerwise
+
+    dense = tiny_model("llama", layers=2)
+    ids = torch.tensor(random_windows(4, 32))  # 128 tokens per layer
+    settings = LayerwiseSettings(epochs=1, lr=1e-3, batch_tokens=32, inputs=inputs)
+    full, probed = convert_model(copy.deepcopy(dense), "drelu"), convert_model(copy.deepcopy(dense), "drelu")
+    every = distill_layerwise(full, dense, ids, settings, progress=False)
+    monkeypatch.setattr(layerwise, "DIAG_TOKENS", 10)  # every 13th token
+    some = distill_layerwise(probed, dense, ids, settings, progress=False)
+    for a, b in zip(full.parameters(), probed.parameters()):
+        assert torch.equal(a, b)
+    assert all(a["rel_mse_after"] != b["rel_mse_after"] for a, b in zip(every, some))
+    assert all(b["rel_mse_after"] < b["rel_mse_before"] for b in some)

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from sparseforge.errors import SparseforgeError
 
 _CHUNK = 4096  # tokens per matmul when streaming over all tokens of a layer
+DIAG_TOKENS = 16384  # the per-layer relative errors are measured on this many of a layer's tokens, evenly strided
 LSQ_RIDGE = 1e-3  # lam as a fraction of the mean diagonal of H^T H
 
 
@@ -147,7 +148,7 @@ def distill_layerwise(student, teacher, windows: torch.Tensor, settings: Layerwi
 
     windows: [N, S] token ids of real text on the models' device. Returns
     [{"layer", "rel_mse_before", "rel_mse_after", "seconds", ...}], rel_mse = ||student - teacher||^2 / ||teacher||^2
-    on the layer's inputs.
+    on DIAG_TOKENS of the layer's inputs, evenly strided (all of them when there are fewer).
     """
     s = settings
     if hasattr(student.model.layers[0].mlp, "experts"):
@@ -176,14 +177,19 @@ def distill_layerwise(student, teacher, windows: torch.Tensor, settings: Layerwi
             dense = tr + _apply(teacher_mlp, tx.reshape(-1, tx.shape[-1])).reshape(tr.shape)
             y = (dense - residual).reshape(-1, x.shape[-1])
             del tx, tr
-        row = {"layer": l, "rel_mse_before": _rel_mse(mlp, x, y)}
+        probe = slice(None, None, -(-len(x) // DIAG_TOKENS))  # the diagnostics' tokens (training uses all of them)
+        row = {"layer": l, "rel_mse_before": _rel_mse(mlp, x[probe], y[probe])}
         if s.init == "lsq":
             row.update(_init_lsq(mlp, teacher_mlp, x, y))
-            row["rel_mse_init"] = _rel_mse(mlp, x, y)
+            row["rel_mse_init"] = _rel_mse(mlp, x[probe], y[probe])
         if s.epochs:
             _fit(mlp, x, y, s, s.seed + l)
-        row["rel_mse_after"] = _rel_mse(mlp, x, y)
-        out = y if s.inputs == "teacher" else _apply(mlp, x)
+        if s.inputs == "teacher":
+            out = y
+            row["rel_mse_after"] = _rel_mse(mlp, x[probe], y[probe])
+        else:  # the stream moves on through the distilled MLP: its outputs give the error too
+            out = _apply(mlp, x)
+            row["rel_mse_after"] = ((out[probe] - y[probe]).pow(2).sum() / y[probe].pow(2).sum()).item()
         stream = residual + out.reshape(residual.shape)
         del x, y, out, residual
         row["seconds"] = time.perf_counter() - start
