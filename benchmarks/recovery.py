@@ -113,6 +113,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     batch = args.batch_size or (16 if device.type == "cuda" else 8)
+    val_batch = min(batch, 8)  # validation forwards hold [batch, seq_len, intermediate] activations; 8 is what ran on the GPU
     spec = yaml.safe_load(Path(args.rows).read_text())
     name = Path(args.rows).stem
     work = Path(args.work or ROOT / "runs" / "recovery" / name)
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
     else:
         model, tokenizer, _ = load_model(base.model, dtype="float32")
         model.to(device)
-        result["rows"].append({"name": "original", "key": key, **validation(base, tokenizer, model, min(batch, 8)),
+        result["rows"].append({"name": "original", "key": key, **validation(base, tokenizer, model, val_batch),
                                "scores": score_model(model, tokenizer, spec["score"], task_dir, batch)})
         del model
     _write(out, result, spec, done)
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
         steps = [m for m in metrics if "step_seconds" in m]
         seconds = (layerwise["seconds"] if layerwise else 0.0) + sum(
             m["step_seconds"] * (m["step"] - prev) for m, prev in zip(steps, [0] + [m["step"] for m in steps]))
-        start = next((m["val_loss"] for m in metrics if m.get("step") == 0 and "val_loss" in m and not {"reference", "stage"} & m.keys()), None)
+        start = next((m["val_loss"] for m in metrics if m.get("step") == 0 and "val_loss" in m and "reference" not in m), None)
         model = load_sparse(ckpt).to(device)
         tokenizer = load_model(str(ckpt))[1]
         result["rows"].append({"name": row["name"], "key": key, "set": row.get("set", []), "start": row.get("start"),
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
                                "layerwise_tokens": model.config.sparsity.get("layerwise_tokens", 0),
                                # validation loss after stage 1, and where the end-to-end steps start (after thresholds)
                                "val_loss_after_stage1": layerwise["val_loss_after"] if layerwise else None, "val_loss_start": start,
-                               **validation(recipe, tokenizer, model, min(batch, 8)), "scores": score_model(model, tokenizer, spec["score"], task_dir, batch)})
+                               **validation(recipe, tokenizer, model, val_batch), "scores": score_model(model, tokenizer, spec["score"], task_dir, batch)})
         del model
         print(table(_write(out, result, spec, done)), flush=True)
     print(table(_write(out, result, spec, done)))

@@ -20,7 +20,6 @@ Writes benchmarks/results/train-throughput-<device>.json (+ .md). Tests never as
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -117,9 +116,8 @@ def main(argv=None) -> int:
     tokens_per_s = tokens_per_step / step_s
     result = {
         "command": "python benchmarks/train_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "environment": {**env, "device": start["device"], "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-                        "distributed_type": start["distributed_type"], "num_processes": start["num_processes"],
-                        "mixed_precision": start["mixed_precision"], "python": platform.python_version()},
+        "environment": {**env, "device": start["device"], "distributed_type": start["distributed_type"],
+                        "num_processes": start["num_processes"], "mixed_precision": start["mixed_precision"]},
         "recipe": {k: v for k, v in recipe.to_dict().items() if k not in ("stages", "output_dir")},
         "tokens_per_step": tokens_per_step,
         "step_seconds": [round(s["step_seconds"], 4) for s in steps],
@@ -153,15 +151,14 @@ def profiler(enabled: bool):
 
 def profile_table(prof, result: dict, rows: int = 30) -> str:
     """The ops with the most self time on the device (the CPU when there is no GPU), over the whole run: model loading,
-    validation, warm-up and timed steps; with the total busy time per optimizer step beside the median step."""
+    validation, warm-up and timed steps, with the run's total busy time."""
     events = prof.key_averages()
     on_gpu = result["environment"]["device"].startswith("cuda")
     self_time = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
     events = sorted((e for e in events if self_time(e) > 0), key=self_time, reverse=True)
     total_us = sum(self_time(e) for e in events)
-    steps = len(result["step_seconds"])
-    lines = [f"{'Device' if on_gpu else 'CPU'} busy {total_us / 1e6:.2f} s over the run, {total_us / 1e6 / steps:.3f} s per optimizer step "
-             f"(median step {result['median_step_seconds']:.3f} s; the run also loads, validates and warms up).", "",
+    lines = [f"{'Device' if on_gpu else 'CPU'} busy {total_us / 1e6:.2f} s over the whole run (loading, validation, warm-up and the "
+             f"{len(result['step_seconds'])} logged steps; median step {result['median_step_seconds']:.3f} s).", "",
              "| op | calls | self time s | share |", "| --- | ---: | ---: | ---: |"]
     for e in events[:rows]:
         lines.append(f"| `{e.key[:80]}` | {e.count} | {self_time(e) / 1e6:.3f} | {self_time(e) / total_us:.1%} |")
@@ -173,7 +170,7 @@ def table(r: dict) -> str:
     return (
         "| device | precision | seq | tokens/step | teacher | trainable | step s (median) | tokens/s | MFU |\n"
         "| --- | --- | ---: | ---: | --- | --- | ---: | ---: | ---: |\n"
-        f"| {r['environment']['device_name'] or r['environment']['device']} | {r['environment']['mixed_precision']} | {rec['seq_len']} | "
+        f"| {r['environment'].get('gpu') or r['environment']['device']} | {r['environment']['mixed_precision']} | {rec['seq_len']} | "
         f"{r['tokens_per_step']} | {'yes' if rec['distill_kl'] > 0 else 'no'} | {rec['trainable']} | {r['median_step_seconds']:.3f} | "
         f"{r['tokens_per_s']:,.0f} | {r['mfu']:.1%} |\n\n"
         f"MFU against {r['peak_source']} ({r['peak_flops'] / 1e12:.1f} TFLOP/s). Command: `{r['command']}`\n"

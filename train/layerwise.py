@@ -121,8 +121,12 @@ def _init_lsq(student_mlp, teacher_mlp, x: torch.Tensor, y: torch.Tensor) -> dic
     return {"flipped": int((sign < 0).sum())}
 
 
+def _rel_err(out: torch.Tensor, y: torch.Tensor) -> float:
+    return ((out - y).pow(2).sum() / y.pow(2).sum()).item()
+
+
 def _rel_mse(mlp, x: torch.Tensor, y: torch.Tensor) -> float:
-    return ((_apply(mlp, x) - y).pow(2).sum() / y.pow(2).sum()).item()
+    return _rel_err(_apply(mlp, x), y)
 
 
 def _fit(mlp, x: torch.Tensor, y: torch.Tensor, s: LayerwiseSettings, seed: int) -> None:
@@ -178,20 +182,17 @@ def distill_layerwise(student, teacher, windows: torch.Tensor, settings: Layerwi
             y = (dense - residual).reshape(-1, x.shape[-1])
             del tx, tr
         probe = slice(None, None, -(-len(x) // DIAG_TOKENS))  # the diagnostics' tokens (training uses all of them)
-        row = {"layer": l, "rel_mse_before": _rel_mse(mlp, x[probe], y[probe])}
+        xp, yp = x[probe], y[probe]
+        row = {"layer": l, "rel_mse_before": _rel_mse(mlp, xp, yp)}
         if s.init == "lsq":
             row.update(_init_lsq(mlp, teacher_mlp, x, y))
-            row["rel_mse_init"] = _rel_mse(mlp, x[probe], y[probe])
+            row["rel_mse_init"] = _rel_mse(mlp, xp, yp)
         if s.epochs:
             _fit(mlp, x, y, s, s.seed + l)
-        if s.inputs == "teacher":
-            out = y
-            row["rel_mse_after"] = _rel_mse(mlp, x[probe], y[probe])
-        else:  # the stream moves on through the distilled MLP: its outputs give the error too
-            out = _apply(mlp, x)
-            row["rel_mse_after"] = ((out[probe] - y[probe]).pow(2).sum() / y[probe].pow(2).sum()).item()
+        out = y if s.inputs == "teacher" else _apply(mlp, x)  # what the stream moves on with
+        row["rel_mse_after"] = _rel_mse(mlp, xp, yp) if s.inputs == "teacher" else _rel_err(out[probe], yp)
         stream = residual + out.reshape(residual.shape)
-        del x, y, out, residual
+        del x, y, xp, yp, out, residual
         row["seconds"] = time.perf_counter() - start
         stats.append(row)
     student.train(was_training)
