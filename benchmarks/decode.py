@@ -90,10 +90,11 @@ class Sparseforge:
 
 
 class HFGenerate:
-    def __init__(self, ckpt, dtype, bytes_per_token, label: str = "", sampling=None, **load_options):
+    def __init__(self, ckpt, dtype, bytes_per_token, label: str = "", sampling=None, input_device="cpu", **load_options):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(ckpt, trust_remote_code=True, dtype=dtype, **load_options).eval()
+        self.input_device = input_device
         self.name, self._bytes = f"HF generate ({str(dtype).removeprefix('torch.')}{label})", bytes_per_token
         s = sampling or {}
         self.kw = dict(do_sample=True, temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"]) if s else dict(do_sample=False)
@@ -101,7 +102,7 @@ class HFGenerate:
     def run(self, ids, n):
         import time
 
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=self.input_device)
         kw = dict(pad_token_id=0, eos_token_id=None, **self.kw)
         torch.manual_seed(0)
         with torch.inference_mode():

@@ -66,18 +66,27 @@ def cli_reference() -> str:
     saved = {k: os.environ.pop(k, None) for k in ("COLUMNS", "SPARSEFORGE_DATA")}
     os.environ["COLUMNS"] = "1000"
     try:
-        out = []
+        out, seen = [], {}  # (flag, meaning) -> the first command listing it; later commands name 3 or more of its flags in one row
         for name, parser in _commands(build_parser()):
             out += [f"### `sparseforge {name}`", "", _one_line(parser.description or ""), "",
                     "```text", _one_line(parser.format_usage().removeprefix("usage: ")), "```", ""]
-            rows = [a for a in parser._actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
-            if rows:
-                out += ["| argument | meaning |", "| --- | --- |"]
-                for a in rows:
+            rows = []
+            for a in parser._actions:
+                if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
                     formatter = parser._get_formatter()
                     flag = formatter._format_action_invocation(a)
                     meaning = _one_line(formatter._expand_help(a)) if a.help and a.help != argparse.SUPPRESS else ""
-                    out.append(f"| `{flag}` | {meaning.replace('|', '&#124;')} |")
+                    first = seen.setdefault((flag, meaning), name) if a.option_strings else name
+                    rows.append((first, a.option_strings[-1] if a.option_strings else flag, f"| `{flag}` | {meaning.replace('|', '&#124;')} |"))
+            if rows:
+                out += ["| argument | meaning |", "| --- | --- |"]
+                groups = {f: [r for r in rows if r[0] == f] for f, _, _ in rows if f != name}
+                for first, option, line in rows:
+                    group = groups.get(first, [])
+                    if len(group) < 3:
+                        out.append(line)
+                    elif option == group[0][1]:
+                        out.append(f"| {', '.join(f'`{r[1]}`' for r in group)} | as in `sparseforge {first}` |")
                 out.append("")
         return "\n".join(out).rstrip("\n")
     finally:

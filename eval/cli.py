@@ -140,6 +140,8 @@ def _register_scorecard(subparsers) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per mode (after one warm-up), medians reported")
     p.add_argument("--threads", type=int, default=1, help="engine threads")
     p.add_argument("--context", type=int, default=512, help="KV-cache positions")
+    p.add_argument("--device", default=None, metavar="DEV", help="time the hybrid tier on this device (cuda, cpu, ...) as `generate --device` runs it; default: the CPU engine")
+    p.add_argument("--device-memory", metavar="SIZE", default=None, help="the device's budget for --device, as `generate --device-memory` takes it (default 100%%)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=scorecard_command)
 
@@ -154,7 +156,9 @@ def scorecard_command(args) -> int:
         raise SparseforgeError(f"--modes {args.modes!r}: give engine modes from {', '.join(MODES)}, comma-separated, e.g. dense,sparse,screen")
     if args.repeats < 1 or args.decode_tokens < 1 or args.prompt_tokens < 2:
         raise SparseforgeError("--repeats and --decode-tokens must be >= 1 and --prompt-tokens >= 2")
-    settings = SpeedSettings(modes, args.prompt_tokens, args.decode_tokens, args.repeats, args.threads, args.context)
+    if args.device_memory is not None and args.device is None:
+        raise SparseforgeError(f"--device-memory {args.device_memory} needs --device (e.g. --device cuda)")
+    settings = SpeedSettings(modes, args.prompt_tokens, args.decode_tokens, args.repeats, args.threads, args.context, args.device, args.device_memory)
     scorecard = make_scorecard(args.ckpt, settings, progress=not args.no_progress)
     print(markdown(scorecard))
     print(f"wrote {args.ckpt}/scorecard.json, {', '.join(scorecard['plots']) or 'no plots'}, README.md")

@@ -42,6 +42,8 @@ class SpeedSettings:
     repeats: int = 3
     threads: int | None = 1
     context: int = 512
+    device: str | None = None  # the hybrid tier's device (runtime/hybrid.py); None: the CPU engine
+    device_memory: str | None = None  # its budget (default 100%)
 
 
 def _peak_rss_bytes() -> int:
@@ -72,7 +74,8 @@ def measure_speed(ckpt: str | Path, settings: SpeedSettings, progress: bool = Tr
     engines, load_rss = {}, {}
     for mode in settings.modes:
         before = _peak_rss_bytes()
-        engines[mode] = Engine.load(ckpt, mode=mode, context=settings.context, threads=settings.threads, progress=progress)
+        engines[mode] = Engine.load(ckpt, mode=mode, context=settings.context, threads=settings.threads, progress=progress,
+                                    device=settings.device, device_memory=settings.device_memory)  # fmt: skip
         load_rss[mode] = _peak_rss_bytes() - before
     ids = torch.tensor([pretrain_prompt(engines[settings.modes[0]].tokenizer, settings.prompt_tokens)])
     runs = {m: {"prefill": [], "decode": []} for m in settings.modes}
@@ -98,6 +101,7 @@ def measure_speed(ckpt: str | Path, settings: SpeedSettings, progress: bool = Tr
             **{k: stats.get(k) for k in ("bytes_touched_per_decode_token", "resident_weight_bytes")},
             "neurons_computed_fraction": stats.get("decode_neurons_computed_fraction"),  # per decode token, as the table says
             "neurons_fired_fraction": stats.get("decode_neurons_fired_fraction"),
+            "device": stats.get("device"),  # the hybrid tier's hot neurons and device bytes (None: the CPU engine)
         }
     if "dense" in out["modes"]:
         dense = out["modes"]["dense"]

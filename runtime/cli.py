@@ -82,6 +82,13 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="keep only this much resident (as for `sparseforge plan`: 300MB, 1.5GiB, 25%%; a percentage above 0%%, "
                    "since the neuron cache needs room); hot neurons pinned, cold neurons read from disk through the neuron cache. "
                    "Default: everything resident")  # fmt: skip
+    p.add_argument("--device", default=None, metavar="DEV",
+                   help="hybrid tier: attention, norms, embeddings, lm_head, KV cache and the hottest MLP neurons on this device "
+                   "(cuda, cuda:1, mps; cpu runs the same split on the CPU), the other neurons computed by the CPU (with --fast-memory: "
+                   "those held in that much CPU memory, the rest read from disk); default: CPU engine")  # fmt: skip
+    p.add_argument("--device-memory", metavar="SIZE", default=None,
+                   help="the device's budget for --device, as --fast-memory takes it (6GB, 1.5GiB, 25%% of the MLP bytes on top of "
+                   "the always-touched part); default 100%%: everything on the device")  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--full-head", action="store_true",
                    help="decode steps (greedy and sampled) read the whole lm_head instead of finding the token through its int8 "
@@ -176,6 +183,8 @@ def _check_engine_options(args) -> None:
     if args.mode == "screen" and args.weight_dtype == "int8":
         raise SparseforgeError("--mode screen needs float weights (--weight-dtype float32, bfloat16 or float16); with --weight-dtype int8 "
                                "use --mode oracle, which reads the int8 gate rows once")  # fmt: skip
+    if args.device_memory is not None and args.device is None:
+        raise SparseforgeError(f"--device-memory {args.device_memory} needs --device (e.g. --device cuda); without it the engine runs on the CPU")
     if args.fast_memory is not None and parse_size(args.fast_memory).percent == 0:
         raise SparseforgeError(f"--fast-memory {args.fast_memory} leaves no room for the neuron cache that cold neurons are read into; "
                                "give a percentage above 0% (the smaller, the more neurons are read from disk) or a size")  # fmt: skip
@@ -188,7 +197,7 @@ def _open_engine(args):
     _check_engine_options(args)
     return open_engine(args.ckpt, mode=args.mode, weight_dtype=args.weight_dtype, context=args.context, threads=args.threads,
                        fast_memory=args.fast_memory, predictor_dtype=args.predictor_dtype, head_screen=False if args.full_head else None,
-                       progress=not args.no_progress)  # fmt: skip
+                       progress=not args.no_progress, device=args.device, device_memory=args.device_memory)  # fmt: skip
 
 
 def format_stats(stats: dict) -> str:
@@ -256,6 +265,7 @@ def serve_command(args) -> int:
     with _open_engine(args) as engine:
         server = Server(engine, settings)
         key = "API key required" if settings.api_key else "no API key"
-        print(f"serving {settings.model_id} ({args.mode}, {args.weight_dtype}) on {server.url} ({key}; Ctrl-C stops)", file=sys.stderr, flush=True)
+        where = f", {args.device} {args.device_memory or '100%'}" if args.device else ""
+        print(f"serving {settings.model_id} ({args.mode}, {args.weight_dtype}{where}) on {server.url} ({key}; Ctrl-C stops)", file=sys.stderr, flush=True)
         server.serve_forever()
     return 0

@@ -47,7 +47,7 @@ class Engine:
     @classmethod
     def load(cls, ckpt: str | Path, mode: str = "sparse", weight_dtype: str = "float32", context: int = 2048, threads: int | None = None,
              units: Callable | None = None, progress: bool = True, native: bool | None = None, predictor_dtype: str | None = None,
-             head_screen: bool | None = None) -> "Engine":
+             head_screen: bool | None = None, device: str | None = None, device_memory: str | None = None) -> "Engine":
         """Read a sparse checkpoint. units: optional factory (layer, expert, reader) -> MLPUnit (runtime/weights.py);
         default: every bundle resident. predictor_dtype: the sparse mode's predictors in another dtype than the weights
         (default: weight_dtype); int8 predictors read a quarter of the float32 bytes and choose the same neurons within
@@ -56,8 +56,11 @@ class Engine:
         False forces the PyTorch ops. head_screen: decode steps find the token through an int8 screen of the lm_head
         (runtime/head.py: the token sf_matvec's logits give, a quarter of the float32 head's bytes, +1 byte per head
         weight of memory). None: when the head can have one (float weights, no bias, native kernels) and, under a
-        placement plan, the plan reserved it; True: required (an error says why not); False: never."""
-        return cls(load_model(ckpt, mode, weight_dtype, context, threads, units, progress, native, predictor_dtype, head_screen))
+        placement plan, the plan reserved it; True: required (an error says why not); False: never. device,
+        device_memory: the hybrid tier (runtime/hybrid.py): attention, norms, embeddings, lm_head, KV cache and the
+        hottest neurons on `device` ("cuda", "cpu", ...) within `device_memory` (a size as `sparseforge plan` takes;
+        default "100%"), the other neurons on the CPU."""
+        return cls(load_model(ckpt, mode, weight_dtype, context, threads, units, progress, native, predictor_dtype, head_screen, device, device_memory))
 
     @property
     def tokenizer(self):
@@ -82,7 +85,7 @@ class Engine:
         if not 1 <= context <= self.context:
             raise SparseforgeError(f"a cache of {context} positions is outside 1..{self.context}, the engine's context; load the engine with a larger context")
         s = self.model.shape
-        return KVCache(self.config.num_hidden_layers, batch, s.kv_heads, context, s.head_dim)
+        return KVCache(self.config.num_hidden_layers, batch, s.kv_heads, context, s.head_dim, self.model.device)
 
     def forward(self, ids: torch.Tensor, cache: KVCache, logits_from: int = 0) -> torch.Tensor:
         """ids [B, T] -> float32 logits of positions logits_from.. ([B, T - logits_from, V]; a negative value counts
@@ -108,8 +111,11 @@ class Engine:
         m = self.model
         out = {"mode": m.mode, "weight_dtype": m.weight_dtype, "predictor_dtype": m.predictor_dtype, "threads": m.threads, "native_kernels": m.native,
                **self.meter.counters(), "resident_weight_bytes": m.resident_bytes(), "head_screen": m.head_screen is not None}  # fmt: skip
+        if m.device_tier is not None:
+            out["device"] = m.device_tier.stats([lw.units[0] for lw in m.weights.layers])
         if hasattr(m.units, "stats") and not isinstance(m.units, type):  # a factory reporting for all its units (the neuron store)
-            out["units"] = m.units.stats()
+            if m.units.stats():
+                out["units"] = m.units.stats()
         else:  # else the units' own integer counters, summed
             merged = {}
             for u in (u for lw in m.weights.layers for u in lw.units if hasattr(u, "stats")):
@@ -128,16 +134,22 @@ class Engine:
 @contextlib.contextmanager
 def open_engine(ckpt: str | Path, mode: str = "sparse", weight_dtype: str = "float32", context: int = 2048, threads: int | None = None,
                 fast_memory: str | None = None, predictor_dtype: str | None = None, head_screen: bool | None = None,
-                progress: bool = True) -> Iterator[Engine]:
+                progress: bool = True, device: str | None = None, device_memory: str | None = None) -> Iterator[Engine]:
     """Engine.load, and with `fast_memory` (a size as `sparseforge plan` takes: "300MB", "25%") its MLP units tiered
     over disk (runtime/store.py) for a placement plan made now for that budget; the store's reader thread is
-    stopped on exit."""
+    stopped on exit. device, device_memory: the hybrid tier, as Engine.load; with fast_memory too, the CPU's share of
+    the neurons is the one tiered over disk, within fast_memory."""
     with contextlib.ExitStack() as stack:
         units = None
         if fast_memory is not None:
             from sparseforge.runtime.store import tiered_units
 
-            units = stack.enter_context(tiered_units(ckpt, fast_memory, weight_dtype, context=context, predictor_dtype=predictor_dtype,
-                                                     head_screen=head_screen is not False, progress=progress))  # fmt: skip
+            plan = fast_memory
+            if device is not None:  # the hybrid tier: the store holds the neurons the device does not (runtime/hybrid.py)
+                from sparseforge.runtime.hybrid import cpu_plan
+
+                plan = cpu_plan(ckpt, fast_memory, device_memory, weight_dtype, context, predictor_dtype)
+            units = stack.enter_context(tiered_units(ckpt, plan, weight_dtype, context=context, predictor_dtype=predictor_dtype,
+                                                     head_screen=head_screen is not False and device is None, progress=progress))  # fmt: skip
         yield Engine.load(ckpt, mode=mode, weight_dtype=weight_dtype, context=context, threads=threads, units=units, progress=progress,
-                          predictor_dtype=predictor_dtype, head_screen=head_screen)  # fmt: skip
+                          predictor_dtype=predictor_dtype, head_screen=head_screen, device=device, device_memory=device_memory)  # fmt: skip

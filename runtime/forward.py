@@ -67,11 +67,11 @@ def attention_shape(config) -> AttentionShape:
 
 
 class KVCache:
-    """Preallocated keys and values: k, v [L, B, kv_heads, context, head_dim] float32; positions
+    """Preallocated keys and values: k, v [L, B, kv_heads, context, head_dim] float32 on `device`; positions
     0..length-1 are filled (the same length for every row)."""
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, context: int, head_dim: int):
-        self.k = torch.zeros(layers, batch, kv_heads, context, head_dim)
+    def __init__(self, layers: int, batch: int, kv_heads: int, context: int, head_dim: int, device: torch.device | str = "cpu"):
+        self.k = torch.zeros(layers, batch, kv_heads, context, head_dim, device=device)
         self.v = torch.zeros_like(self.k)
         self.length = 0
 
@@ -86,7 +86,7 @@ class KVCache:
     def fork(self, n: int) -> "KVCache":
         """A batch-n cache whose every row is a copy of row 0 (a shared prefix scored or sampled n ways)."""
         L, _, kvh, ctx, hd = self.k.shape
-        out = KVCache(L, n, kvh, ctx, hd)
+        out = KVCache(L, n, kvh, ctx, hd, self.k.device)
         out.k[:, :, :, : self.length] = self.k[:, :1, :, : self.length]
         out.v[:, :, :, : self.length] = self.v[:, :1, :, : self.length]
         out.length = self.length
@@ -116,8 +116,8 @@ def attention(x: torch.Tensor, lw, shape: AttentionShape, layer: int, cache: KVC
     mask = None
     window = shape.windows[layer]
     if T > 1 or (window is not None and end > window):
-        qpos = torch.arange(start, end)[:, None]
-        kpos = torch.arange(end)[None, :]
+        qpos = torch.arange(start, end, device=x.device)[:, None]
+        kpos = torch.arange(end, device=x.device)[None, :]
         mask = kpos <= qpos
         if window is not None:
             mask &= qpos - kpos < window

@@ -35,6 +35,7 @@ class Meter:
         self.static_bytes = static_bytes  # always_touched_bytes
         self.kv_bytes_per_position = kv_bytes_per_position  # one row's keys + values of one position, every layer
         self.rows_read = torch.zeros(2, dtype=torch.long)  # up rows, down columns read by sf_sparse_mlp (fired neurons)
+        self.device_fired = None  # a hybrid engine's device-side count of its hot neurons that fired (runtime/hybrid.py)
         self.reset()
 
     def reset(self) -> None:
@@ -44,6 +45,8 @@ class Meter:
         self.row_neurons = 0  # neurons the native sparse kernel computed (a gate row each)
         self.row_bytes = 0  # bytes of one bundle row (+ its int8 scale) of the native kernel's units
         self.rows_read.zero_()
+        if self.device_fired is not None:
+            self.device_fired.zero_()
         self.decode_bytes = 0
         self.step_bytes = 0  # MLP and head bytes of the forward in progress
         self.screened_tokens = self.screen_candidates = 0
@@ -78,7 +81,8 @@ class Meter:
             self.screen_candidates += candidates
 
     def _neuron_totals(self) -> tuple[int, int, int]:
-        return self.neurons_computed + self.row_neurons, self.neuron_slots, self.neurons_fired + int(self.rows_read[1])
+        device = 0 if self.device_fired is None else int(self.device_fired)
+        return self.neurons_computed + self.row_neurons, self.neuron_slots, self.neurons_fired + int(self.rows_read[1]) + device
 
     def step(self, rows: int, tokens: int, seconds: float, length: int) -> None:
         """Close a forward of `tokens` positions in each of `rows` rows, written after `length` cached ones. One position:
@@ -109,7 +113,7 @@ class Meter:
             "decode_seconds": self.decode_seconds,
             "decode_tokens_per_second": self.decode_tokens / self.decode_seconds if self.decode_seconds else None,
             "neurons_computed_fraction": (self.neurons_computed + self.row_neurons) / slots if slots else None,
-            "neurons_fired_fraction": (self.neurons_fired + down) / slots if slots else None,
+            "neurons_fired_fraction": (self.neurons_fired + down + (0 if self.device_fired is None else int(self.device_fired))) / slots if slots else None,
             "decode_neurons_computed_fraction": self.decode_computed / self.decode_slots if self.decode_slots else None,
             "decode_neurons_fired_fraction": self.decode_fired / self.decode_slots if self.decode_slots else None,
             "predictor_seconds": self.predictor_seconds,

@@ -30,10 +30,12 @@ class SparseMLP:
         self._native_predictor = {}  # per (layer, expert): (ids out [I], float scratch [rank + I])
         self._arange = {}
 
-    def __call__(self, layer: int, lw, xn: torch.Tensor, resid: torch.Tensor) -> None:
-        """xn: [N, H] normed MLP input; resid: [N, H] the residual, the predictor's input, to which the output is added."""
+    def __call__(self, layer: int, lw, xn: torch.Tensor, resid: torch.Tensor, out: torch.Tensor | None = None) -> None:
+        """xn: [N, H] normed MLP input; resid: [N, H] the residual, the predictor's input, to which the output is added
+        (or to `out` [N, H] when given)."""
+        out = resid if out is None else out
         if not self.model.moe:
-            self._unit(layer, 0, lw, xn, resid, None, resid)
+            self._unit(layer, 0, lw, xn, resid, None, out)
             return
         weights, experts = route(lw.router, xn, self.model.top_k)  # [N, k]
         y = torch.zeros_like(resid)  # every expert's predictor reads the residual before any output is added
@@ -45,7 +47,7 @@ class SparseMLP:
                 part = torch.zeros(rows.numel(), xn.shape[1])
                 self._unit(layer, e, lw, xn[rows], resid[rows], weights[rows, slot], part)
                 y.index_add_(0, rows, part)
-        resid += y
+        out += y
 
     def _unit(self, layer: int, expert: int, lw, x: torch.Tensor, resid: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor) -> None:
         """out [n, H] += scale [n] * one unit's MLP of x [n, H] (resid: the predictor's input)."""
@@ -75,8 +77,7 @@ class SparseMLP:
             neurons = self._predict_row(layer, expert, resid, I)
         elif mode == "screen":
             neurons = self._screen_row(layer, expert, xn)
-        if neurons is None:
-            neurons = self._all_neurons(I)
+        neurons = self._computed(unit, neurons)
         act, threads, counts = self.model.activations[layer], self.model.threads, self.meter.rows_read
         for chunk in unit.order(neurons).split(unit.capacity) if neurons.numel() > unit.capacity else (neurons,):
             req = unit.request(chunk)
@@ -85,7 +86,7 @@ class SparseMLP:
             if slots.numel():
                 kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, slots, xn, act, y, scale, counts, threads)
             req.release()
-        self.meter.native_mlp(neurons.numel(), I, row_bytes(unit))
+        self.meter.native_mlp(neurons.numel(), _width(unit), row_bytes(unit))
 
     def _predict_row(self, layer: int, expert: int, resid: torch.Tensor, intermediate: int) -> torch.Tensor | None:
         """Predicted-active neuron ids of one row (None: the unit has no predictor, all active)."""
@@ -117,15 +118,15 @@ class SparseMLP:
             p = self.model.predictors[(layer, expert)]
             keep = torch.ones(x.shape[0], I, dtype=torch.bool) if p is None else kernels.predict_torch(p.fc1, p.fc2t, p.threshold, resid)  # [n, I]
             self.meter.predictor(time.perf_counter() - start)
-            neurons = keep.any(0).nonzero().flatten()
         elif self.model.mode == "screen" and x.shape[0] <= SCREEN_ROWS:
             start = time.perf_counter()
             keep, nbytes = screen_torch(self.model.screens[(layer, expert)], x)  # [n, I]
             self.meter.predictor(time.perf_counter() - start)
             self.meter.screen(nbytes)
-            neurons = keep.any(0).nonzero().flatten()
-        else:
-            neurons = self._all_neurons(I)
+        cold = getattr(unit, "cold", None)  # a hybrid SplitUnit: its hot neurons are computed on the device (runtime/hybrid.py)
+        if keep is not None and cold is not None:
+            keep = keep & cold
+        neurons = self._computed(unit, None) if keep is None else keep.any(0).nonzero().flatten()
         y = torch.zeros_like(x)
         act, fired = self.model.activations[layer], 0
         for chunk in (unit.order(neurons) if neurons.numel() > unit.capacity else neurons).split(unit.capacity):
@@ -136,11 +137,23 @@ class SparseMLP:
                     y += part
                     fired += int((h != 0).sum())
             req.release()
-        computed = int(keep.sum()) if keep is not None else x.shape[0] * I
-        self.meter.mlp(computed, x.shape[0] * I, fired, 3 * neurons.numel() * row_bytes(unit))
+        computed = int(keep.sum()) if keep is not None else x.shape[0] * neurons.numel()
+        self.meter.mlp(computed, x.shape[0] * _width(unit), fired, 3 * neurons.numel() * row_bytes(unit))
         return y
+
+    def _computed(self, unit, neurons: torch.Tensor | None) -> torch.Tensor:
+        """The neurons this unit computes here of those chosen (None: all): a hybrid SplitUnit's cold ones alone."""
+        cold = getattr(unit, "cold", None)
+        if cold is not None:
+            return unit.cold_ids if neurons is None else neurons[cold[neurons]]
+        return self._all_neurons(unit.intermediate) if neurons is None else neurons
 
     def _all_neurons(self, intermediate: int) -> torch.Tensor:
         if intermediate not in self._arange:
             self._arange[intermediate] = torch.arange(intermediate)
         return self._arange[intermediate]
+
+
+def _width(unit) -> int:
+    """The neurons a unit computes here at most: all of them, or a hybrid SplitUnit's cold ones."""
+    return unit.cold_ids.numel() if getattr(unit, "cold", None) is not None else unit.intermediate

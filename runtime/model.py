@@ -48,6 +48,7 @@ class Model:
     head_screen: HeadScreen | None
     units: Callable | None = None  # the units factory the MLPs came from (None: resident bundles or dense matrices)
     screens: dict | None = None  # per (layer, expert): runtime/screen.py UnitScreen (screen mode)
+    device_tier: object = None  # runtime/hybrid.py DeviceTier: the hybrid engine's fast device (None: everything on the CPU)
     shape: AttentionShape = field(init=False)
     cos: torch.Tensor = field(init=False)  # [context, head_dim]
     sin: torch.Tensor = field(init=False)
@@ -58,11 +59,18 @@ class Model:
     def __post_init__(self):
         self.shape = attention_shape(self.config)
         self.cos, self.sin = rope_tables(self.config, self.context)
+        if self.device_tier is not None:
+            self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
         sparsity = self.config.sparsity
         thresholds = sparsity.get("thresholds") or [0.0] * self.config.num_hidden_layers
         self.activations = [GatedActivation(sparsity["activation"], t) for t in thresholds]
         self.moe = self.weights.layers[0].router is not None
         self.top_k = int(getattr(self.config, "num_experts_per_tok", 1) or 1) if self.moe else 1
+
+    @property
+    def device(self) -> torch.device:
+        """Where the non-MLP weights, the KV cache and the hot neurons live (the CPU unless a hybrid engine)."""
+        return torch.device("cpu") if self.device_tier is None else self.device_tier.device
 
     @property
     def predictor_dtype(self) -> str | None:
@@ -73,7 +81,8 @@ class Model:
     def resident_bytes(self) -> int:
         """Weights, predictors and head screen held in memory."""
         screen = self.head_screen.nbytes if self.head_screen is not None else 0
-        return self.weights.resident_bytes() + predictors_nbytes(self.predictors or {}) + screen + screens_nbytes(self.screens)
+        device = sum(u.device_bytes for lw in self.weights.layers for u in lw.units if hasattr(u, "device_bytes"))
+        return self.weights.resident_bytes() + predictors_nbytes(self.predictors or {}) + screen + screens_nbytes(self.screens) + device
 
     def stop_ids(self) -> tuple[int, ...]:
         """The tokenizer's EOS id(s) and the checkpoint's generation_config eos_token_id(s)."""
@@ -88,7 +97,7 @@ class Model:
 
 def load_model(ckpt: str | Path, mode: str = "sparse", weight_dtype: str = "float32", context: int = 2048, threads: int | None = None,
                units: Callable | None = None, progress: bool = True, native: bool | None = None, predictor_dtype: str | None = None,
-               head_screen: bool | None = None) -> Model:
+               head_screen: bool | None = None, device: str | None = None, device_memory: str | None = None) -> Model:
     """Read a sparse checkpoint; the arguments are Engine.load's (runtime/engine.py)."""
     from sparseforge.sources import checkpoint_tokenizer
 
@@ -103,6 +112,18 @@ def load_model(ckpt: str | Path, mode: str = "sparse", weight_dtype: str = "floa
         torch.set_num_threads(threads)
     threads = threads or torch.get_num_threads()
     config = _load_config(ckpt)
+    tier = None
+    if device is not None or device_memory is not None:
+        from sparseforge.runtime.hybrid import DeviceTier, SplitUnits, device_plan, resolve_device
+        from sparseforge.runtime.store import NeuronStore
+
+        if units is not None and not isinstance(units, NeuronStore):
+            raise SparseforgeError("the device tier (device, device_memory) takes its cold neurons from memory or from a neuron store "
+                                   "(runtime/store.py), not from another units factory")  # fmt: skip
+        if head_screen:
+            raise SparseforgeError("head_screen=True: a hybrid engine computes the lm_head on its device, without the CPU's int8 screen; load with head_screen=None")
+        tier = DeviceTier(resolve_device(device or "cpu"), device_plan(ckpt, device_memory or "100%", weight_dtype, context))
+        head_screen = False
     plan = getattr(units, "plan", None)  # a neuron store's placement plan: its reserve must hold the predictors and head screen
     predictors = _load_predictors(ckpt, config, predictor_dtype or weight_dtype, plan) if mode == "sparse" else None
     reader = WeightReader(ckpt, weight_dtype)
@@ -110,11 +131,17 @@ def load_model(ckpt: str | Path, mode: str = "sparse", weight_dtype: str = "floa
     if native and not available:
         raise SparseforgeError("native=True but the native kernels did not build (see the warning above); install a C compiler (cc)")
     native = available if native is None else native
+    if tier is not None:
+        units = SplitUnits(tier.plan, tier.device, threads, native, store=units)
     with torch.inference_mode():
         weights = load_weights(reader, config, mode, units, threads, native, progress)
         screen = _head_screen(weights, plan, threads, native, head_screen)
+        if tier is not None:
+            from sparseforge.runtime.hybrid import move_weights
+
+            move_weights(weights, tier.device)
     tokenizer = checkpoint_tokenizer(str(ckpt), config)
-    model = Model(ckpt, config, tokenizer, weights, predictors, mode, context, threads, weight_dtype, native, screen, units)
+    model = Model(ckpt, config, tokenizer, weights, predictors, mode, context, threads, weight_dtype, native, screen, units, device_tier=tier)
     if mode == "screen":
         with torch.inference_mode():
             model.screens = load_screens(reader, model)

@@ -64,14 +64,16 @@ class PlanRequest:
     dtype: str | None = None  # None: as the MLP weights are stored
     predictor_dtype: str | None = None  # None: `dtype`, as the engine converts its predictors by default
     head_screen: bool = True  # reserve the lm_head's int8 screen (float dtypes), which engines build by default
+    predictors: bool = True  # reserve the predictors (a hybrid engine's device plan: False, they run on the CPU)
 
 
 def _rate(hit: int, total: int) -> float | None:
     return hit / total if total else None
 
 
-def make_plan(ckpt: str | Path, request: PlanRequest) -> dict:
-    """The plan (plain data, see docs/formats.md "plan") of a checkpoint with a profile, for one budget."""
+def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[int]] | None = None) -> dict:
+    """The plan (plain data, see docs/formats.md "plan") of a checkpoint with a profile, for one budget. exclude:
+    {layer: neuron ids} held elsewhere (a hybrid engine's device), ranked after every other neuron."""
     from sparseforge.predictors.profile import load_profile
 
     if request.context <= 0:
@@ -90,7 +92,7 @@ def make_plan(ckpt: str | Path, request: PlanRequest) -> dict:
             f"profile counts have shape {tuple(counts.shape)}, the model is [L, E, I] = "
             f"{(shape.layers, shape.experts, shape.intermediate)}; re-run sparseforge profile on this checkpoint"
         )
-    reserve = reserve_bytes(ckpt, shape, headers, dtype, request.context, predictor_dtype, request.head_screen)
+    reserve = reserve_bytes(ckpt, shape, headers, dtype, request.context, predictor_dtype if request.predictors else None, request.head_screen)
     per_neuron = neuron_bytes(shape.hidden, dtype)
     neurons = shape.layers * shape.experts * shape.intermediate
     mlp_total = neurons * per_neuron
@@ -108,7 +110,10 @@ def make_plan(ckpt: str | Path, request: PlanRequest) -> dict:
                 f"({human_bytes(reserve['total'])}: {parts}) for dtype {dtype} and context {request.context}; pass at least "
                 f"{math.ceil(reserve['total'] / 2**20)}MiB, a smaller --context or dtype, or a percentage such as 25%"
             )
-    units = [counts[i, e] for i in range(shape.layers) for e in range(shape.experts)]
+    rank = counts.to(torch.int64).clone()
+    for layer, ids in (exclude or {}).items():
+        rank[layer, 0, ids] = -1
+    units = [rank[i, e] for i in range(shape.layers) for e in range(shape.experts)]
     ks = hot_counts(units, mlp_budget // per_neuron if mlp_budget > 0 else 0)
 
     layers, hot_total, fire_total = [], 0, int(counts.sum())
@@ -116,7 +121,7 @@ def make_plan(ckpt: str | Path, request: PlanRequest) -> dict:
         rows = []
         for e in range(shape.experts):
             k = ks[i * shape.experts + e]
-            hot = hot_indices(counts[i, e], k)
+            hot = hot_indices(rank[i, e], k)
             hit = int(counts[i, e][hot].sum()) if hot else 0
             rows.append({"expert": e, "hot_count": k, "hit_rate": _rate(hit, int(counts[i, e].sum())), "hot": hot, "_hit": hit})
         layer_hit = sum(r.pop("_hit") for r in rows)
@@ -132,7 +137,7 @@ def make_plan(ckpt: str | Path, request: PlanRequest) -> dict:
         "fast_memory": fm.text,
         "budget_bytes": budget,
         "dtype": dtype,
-        "predictor_dtype": predictor_dtype,
+        "predictor_dtype": predictor_dtype if request.predictors else None,
         "context": request.context,
         "always_touched": reserve,
         "bytes_per_neuron": per_neuron,

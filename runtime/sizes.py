@@ -158,10 +158,10 @@ def stored_dtype(headers: dict[str, tuple[str, list[int]]]) -> str:
     raise SparseforgeError("the checkpoint has no MLP weights (mlp.gate_proj/up_proj/down_proj); is it a sparseforge checkpoint?")
 
 
-def reserve_bytes(ckpt: str | Path, shape: ModelShape, headers: dict, dtype: str, context: int, predictor_dtype: str,
+def reserve_bytes(ckpt: str | Path, shape: ModelShape, headers: dict, dtype: str, context: int, predictor_dtype: str | None,
                   head_screen: bool = True) -> dict[str, int]:  # fmt: skip
     """Always-touched bytes by category (+ `total`): every non-MLP weight in `dtype`, the lm_head once if
-    tied, the predictors in `predictor_dtype`, the lm_head's screen (float dtypes, unless head_screen is False), and
+    tied, the predictors in `predictor_dtype` (None: none), the lm_head's screen (float dtypes, unless head_screen is False), and
     the KV cache for `context` tokens."""
     cats = dict.fromkeys(("attention", "embeddings", "lm_head", "norms", "routers", "mlp_biases", "other"), 0)
     mlp_elements = 0
@@ -178,7 +178,7 @@ def reserve_bytes(ckpt: str | Path, shape: ModelShape, headers: dict, dtype: str
             "the weights do not match the config"
         )
     cats["mlp_channel_scales"] = shape.layers * shape.experts * shape.hidden * 4 if dtype == "int8" else 0  # int8 down columns: [H] per unit
-    cats["predictors"] = predictor_bytes(ckpt, predictor_dtype)
+    cats["predictors"] = predictor_bytes(ckpt, predictor_dtype) if predictor_dtype else 0
     cats["head_screen"] = head_screen_bytes(headers, dtype) if head_screen else 0
     cats["kv_cache"] = kv_cache_bytes(shape, context, dtype)
     cats["total"] = sum(cats.values())

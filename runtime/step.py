@@ -27,7 +27,11 @@ class Step:
     def __init__(self, model: Model, head: Head, meter: Meter):
         self.model, self.head, self.meter = model, head, meter
         self.mlp = SparseMLP(model, meter)
-        self.row = NativeRow(model, meter) if model.native else None
+        self.row = NativeRow(model, meter) if model.native and model.device_tier is None else None
+        if model.device_tier is not None:  # hot neurons on the device, cold ones through SparseMLP on the CPU
+            from sparseforge.runtime.hybrid import HybridMLP
+
+            self.mlp = HybridMLP(model, meter, self.mlp)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, logits_from: int = 0) -> torch.Tensor:
@@ -44,9 +48,9 @@ class Step:
         if self.row is not None and B * T == 1:
             x = self._row_hidden(int(ids[0, 0]), cache)[None, None]  # [1, 1, H]
         else:
-            x = self._layers(self.model.weights.embed_ids(ids), cache)[:, logits_from:]  # [B, T', H]
+            x = self._layers(self.model.weights.embed_ids(ids.to(self.model.device)), cache)[:, logits_from:]  # [B, T', H]
             x = rms_norm(x, self.model.weights.final_norm, self.model.config.rms_norm_eps)
-        logits = self.head.logits(x.reshape(-1, x.shape[-1])).view(B, x.shape[1], -1)
+        logits = self.head.logits(x.reshape(-1, x.shape[-1])).view(B, x.shape[1], -1).cpu()
         self._close(B, T, start, cache)
         return logits
 

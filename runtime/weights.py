@@ -95,9 +95,12 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, K] float32 -> [N, R] float32. float32 weights go to PyTorch's BLAS (its sgemv matched or
         beat sf_matvec in every side-by-side run, docs/runtime.md "Kernels"); other dtypes to the native
-        matvec for a few rows (PyTorch would convert the whole matrix first)."""
+        matvec for a few rows (PyTorch would convert the whole matrix first); float16 and bfloat16 weights on a GPU
+        to its half-precision matmul (the input rounded to the weight dtype, the result float32)."""
         if self.native and x.shape[0] <= SMALL_BATCH and self.weight.dtype != torch.float32:
             return kernels.matvec_native(self.weight, self.scales, self.bias, x.contiguous(), self.threads)
+        if self.weight.device.type != "cpu" and self.weight.dtype in (torch.float16, torch.bfloat16):  # a GPU: its half-precision matmul
+            return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, None if self.bias is None else self.bias.to(self.weight.dtype)).float()
         return kernels.matvec_torch(self.weight, self.scales, self.bias, x)
 
     @property

@@ -99,6 +99,17 @@ def test_generate_disk_backed_equals_resident(ckpt, capsys):
     assert out == resident and "units.misses=" in err
 
 
+def test_generate_on_the_device_tier_equals_the_cpu_engine(ckpt, capsys):
+    """--device cpu --device-memory 25%: hot neurons on the device side, cold ones on the CPU; oracle mode gives the
+    exact model's tokens, as the CPU engine does."""
+    args = ["generate", str(ckpt), "--prompt", PROMPT, "--raw", "--mode", "oracle", "--max-new-tokens", "10", "--ignore-eos", "--no-progress", "--context", "64"]
+    assert main(args) == 0
+    cpu = capsys.readouterr().out
+    assert main([*args, "--device", "cpu", "--device-memory", "25%", "--stats"]) == 0
+    out, err = capsys.readouterr()
+    assert out == cpu and "device.hot_fraction=0.25" in err
+
+
 def test_chat_keeps_history_until_reset(ckpt, monkeypatch, capsys):
     def reply(messages):
         return expected_text(ckpt, chat_ids(messages), "sparse", 6, stop_ids=(0,))
@@ -121,6 +132,9 @@ def test_chat_keeps_history_until_reset(ckpt, monkeypatch, capsys):
         (["--fast-memory", "1KB"], "below"),
         (["--fast-memory", "0%"], "--fast-memory 0% leaves no room for the neuron cache"),
         (["--mode", "screen", "--weight-dtype", "int8"], "--mode screen needs float weights (--weight-dtype float32"),
+        (["--device-memory", "25%"], "--device-memory 25% needs --device"),
+        (["--device", "quantum"], "--device 'quantum' is not a device"),
+        (["--device", "cpu", "--device-memory", "1KB"], "--device-memory 1KB"),
     ],
 )
 def test_bad_input_is_one_line(ckpt, capsys, extra, message):

@@ -1,0 +1,247 @@
+"""The hybrid tier: attention, norms, embeddings, the lm_head, the KV cache and each layer's hot MLP neurons on a
+fast device (a GPU, or the CPU itself), the cold neurons on the CPU where they sit; only activations cross.
+
+    engine = Engine.load(ckpt, mode="sparse", device="cuda", device_memory="6GB")   # or "25%", "100%"
+
+A placement plan made for the device budget (runtime/plan.py, reserving the always-touched weights and the KV cache
+but not the predictors or the head screen, which stay on the CPU with the cold neurons) names each layer's hot
+neurons. Each MLP becomes a `SplitUnit`: the hot neurons as two dense matrices on the device (gate and up rows
+stacked [2h, H], down columns [H, h]), computed in full for every row, so the hot part is exact whatever the mode; and
+the cold neurons' bundles on the CPU, served through the units contract (runtime/units.py) to runtime/mlp.py, which
+computes the cold part in the engine's mode (the predictor's, the screen's or all cold neurons) with the native
+kernels. Per layer (`HybridMLP`): the normed MLP input and the residual are copied to the CPU, the device's part is
+queued, the CPU computes the cold part meanwhile (a CUDA device runs its queue while the CPU works), and both are
+added into the residual on the device. A layer without cold neurons makes no copy, so a fully resident model decodes
+with no host round trip inside a step.
+
+Below the CPU, the disk tier stays available: with `fast_memory` too (runtime/engine.py open_engine) the cold
+neurons come from a neuron store (runtime/store.py) whose plan ranks the device's neurons last (`cpu_plan`), so
+they are neither pinned in CPU memory nor read from disk. With `device="cpu"` the same code runs with the fast tier on
+the CPU (PyTorch ops for the device's part): what the tests pin against the dense forward. MoE checkpoints are refused.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from sparseforge.errors import SparseforgeError
+from sparseforge.runtime.units import Request, convert_bundles, make_bundles
+from sparseforge.runtime.weights import WEIGHT_DTYPES, Linear, convert
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """'cpu' | 'cuda' | 'cuda:1' | 'mps' -> a torch.device that exists here, or a one-line error."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise SparseforgeError(f"--device {device!r} is not a device; use cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SparseforgeError(f"--device {device} but this PyTorch sees no CUDA device (torch {torch.__version__}); "
+                                   "install a CUDA build of torch or use --device cpu")  # fmt: skip
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise SparseforgeError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible; use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise SparseforgeError(f"--device {device} but MPS is not available here; use --device cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise SparseforgeError(f"--device {device}: the hybrid tier supports cpu, cuda and mps")
+    return dev
+
+
+def device_plan(ckpt, device_memory: str, weight_dtype: str, context: int) -> dict:
+    """The placement plan of the device: its budget (a --fast-memory size: "6GB", "25%" of the MLP bytes on top of the
+    reserve) holds attention, embeddings, lm_head, norms and the KV cache, then the most frequent neurons."""
+    from sparseforge.runtime.plan import PlanRequest, make_plan
+    from sparseforge.runtime.sizes import parse_size
+
+    try:
+        size = parse_size(device_memory)
+    except SparseforgeError as e:
+        raise SparseforgeError(str(e).replace("--fast-memory", "--device-memory")) from None
+    try:
+        return make_plan(ckpt, PlanRequest(size, context=context, dtype=weight_dtype, predictors=False, head_screen=False))
+    except SparseforgeError as e:
+        raise SparseforgeError(str(e).replace("--fast-memory", "--device-memory")) from None
+
+
+def cpu_plan(ckpt, fast_memory: str, device_memory: str | None, weight_dtype: str, context: int, predictor_dtype: str | None) -> dict:
+    """The neuron store's plan under a hybrid engine: `fast_memory` of CPU memory for the neurons the device does not
+    hold (theirs ranked first by frequency, the device's last), counted as the CPU engine counts it."""
+    from sparseforge.runtime.plan import PlanRequest, make_plan
+    from sparseforge.runtime.sizes import parse_size
+
+    exclude = device_hot(device_plan(ckpt, device_memory or "100%", weight_dtype, context))
+    request = PlanRequest(parse_size(fast_memory), context=context, dtype=weight_dtype, predictor_dtype=predictor_dtype, head_screen=False)
+    return make_plan(ckpt, request, exclude=exclude)
+
+
+class ColdBundles:
+    """The CPU's part of a unit when every cold neuron is in memory: their bundles [c, 3, H] in slots 0..c-1, requested
+    by neuron id (runtime/units.py's contract)."""
+
+    def __init__(self, layer: int, expert: int, cold_ids: torch.Tensor, bundles: torch.Tensor, scales, channels, intermediate: int):
+        self.layer, self.expert = layer, expert
+        self.bundles, self.scales, self.channels = bundles, scales, channels
+        self.intermediate, self.hidden = intermediate, bundles.shape[-1]
+        self.capacity = max(int(cold_ids.numel()), 1)
+        self.slot_of = torch.full((intermediate,), -1, dtype=torch.long)
+        self.slot_of[cold_ids] = torch.arange(cold_ids.numel())
+
+    def request(self, neurons: torch.Tensor) -> Request:
+        return Request(ready_neurons=neurons, ready_slots=self.slot_of[neurons])
+
+    def order(self, neurons: torch.Tensor) -> torch.Tensor:
+        return neurons
+
+
+class SplitUnit:
+    """One MLP split between the fast device (hot neurons, dense matrices) and the CPU (the cold neurons).
+
+    As an MLP unit (runtime/units.py) it serves the cold part through `inner`: ColdBundles, or a unit of the neuron
+    store (runtime/store.py) when the cold neurons live on disk below a RAM budget. `cold` [I] (bool) and `cold_ids`
+    mark them, so runtime/mlp.py requests and computes on the CPU only the cold neurons it selects. `gate_up` [2h, H]
+    and `down` [H, h] are the hot part (Linear, on the device)."""
+
+    def __init__(self, hot: torch.Tensor, gate_up: Linear, down: Linear, inner):
+        self.hot, self.gate_up, self.down, self.inner = hot, gate_up, down, inner
+        self.layer, self.expert, self.intermediate, self.hidden = inner.layer, inner.expert, inner.intermediate, inner.hidden
+        self.cold = torch.ones(self.intermediate, dtype=torch.bool)
+        self.cold[hot] = False
+        self.cold_ids = self.cold.nonzero().flatten()
+
+    @property
+    def bundles(self) -> torch.Tensor:
+        return self.inner.bundles
+
+    @property
+    def scales(self) -> torch.Tensor | None:
+        return self.inner.scales
+
+    @property
+    def channels(self) -> torch.Tensor | None:
+        return self.inner.channels
+
+    @property
+    def capacity(self) -> int:
+        return self.inner.capacity
+
+    def request(self, neurons: torch.Tensor) -> Request:
+        return self.inner.request(neurons)
+
+    def order(self, neurons: torch.Tensor) -> torch.Tensor:
+        return self.inner.order(neurons)
+
+    def stats(self) -> dict:
+        return self.inner.stats() if hasattr(self.inner, "stats") else {}
+
+    @property
+    def device_bytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+
+def device_hot(plan: dict) -> dict[int, list[int]]:
+    """{layer: the device plan's hot neuron ids, ascending}."""
+    return {row["layer"]: sorted(row["hot"]) for row in plan["layers"]}
+
+
+class SplitUnits:
+    """The units factory (runtime/weights.py) of a hybrid engine: each unit's plan-hot neurons on `device`, the rest
+    as CPU bundles in the reader's weight dtype, or through `store` (a NeuronStore whose plan leaves the device's
+    neurons out: runtime/store.py) when the cold neurons live on disk."""
+
+    def __init__(self, plan: dict, device: torch.device, threads: int, native: bool, store=None):
+        if plan["num_experts"] != 1:
+            raise SparseforgeError(f"the checkpoint has {plan['num_experts']} experts per layer; the hybrid device tier supports dense MLPs "
+                                   "only: run it without --device (CPU engine, with --fast-memory for the disk tier)")  # fmt: skip
+        self.hot_of, self.device, self.threads, self.native, self.store = device_hot(plan), device, threads, native, store
+        self.plan = None if store is None else store.plan  # what the engine checks its CPU reserve against
+
+    def __call__(self, layer: int, expert: int, reader) -> SplitUnit:
+        gate, up, down = reader.mlp(layer, expert)
+        hot = torch.tensor(self.hot_of[layer], dtype=torch.long)
+        linear = (lambda w: _device_linear(w, reader.weight_dtype, self.device, self.threads, self.native))  # fmt: skip
+        gate_up, down_hot = linear(torch.cat([gate[hot], up[hot]])), linear(down[:, hot])
+        if self.store is not None:
+            return SplitUnit(hot, gate_up, down_hot, self.store(layer, expert, reader))
+        cold = torch.ones(gate.shape[0], dtype=torch.bool)
+        cold[hot] = False
+        ids = cold.nonzero().flatten()
+        parts = convert_bundles(make_bundles(gate[ids], up[ids], down[:, ids]), WEIGHT_DTYPES[reader.weight_dtype])
+        return SplitUnit(hot, gate_up, down_hot, ColdBundles(layer, expert, ids, *parts, gate.shape[0]))
+
+    def stats(self) -> dict:
+        """The neuron store's counters (runtime/store.py), when the cold neurons live on disk."""
+        return self.store.stats() if self.store is not None else {}
+
+
+def _device_linear(w: torch.Tensor, weight_dtype: str, device: torch.device, threads: int, native: bool) -> Linear:
+    """A hot matrix on the device; on the CPU as the CPU engine runs its matrices (runtime/weights.py Linear)."""
+    weight, scales = convert(w.contiguous(), weight_dtype)
+    return Linear(weight.to(device), None if scales is None else scales.to(device), None, threads, native=native and device.type == "cpu")
+
+
+def to_device(linear: Linear, device: torch.device) -> Linear:
+    """A Linear's tensors on `device`, computed there with PyTorch ops."""
+    move = (lambda t: None if t is None else t.to(device))  # fmt: skip
+    return Linear(move(linear.weight), move(linear.scales), move(linear.bias), linear.threads, native=device.type == "cpu" and linear.native)
+
+
+def move_weights(weights, device: torch.device) -> None:
+    """Every non-MLP tensor of runtime/weights.py ModelWeights onto `device`, in place (a tied lm_head stays tied)."""
+    if device.type == "cpu":
+        return
+    move = (lambda t: None if t is None else t.to(device))  # fmt: skip
+    tied = weights.lm_head.weight.data_ptr() == weights.embed.data_ptr()
+    weights.embed, weights.embed_scales, weights.final_norm = move(weights.embed), move(weights.embed_scales), move(weights.final_norm)
+    weights.lm_head = Linear(weights.embed, weights.embed_scales, None, 1, native=False) if tied else to_device(weights.lm_head, device)
+    for lw in weights.layers:
+        lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm = (move(t) for t in (lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm))
+        lw.qkv, lw.o = to_device(lw.qkv, device), to_device(lw.o, device)
+
+
+@dataclass
+class DeviceTier:
+    """What a hybrid engine holds on its device: the device, the plan it was made for, the hot neuron count."""
+
+    device: torch.device
+    plan: dict
+
+    def stats(self, units: list) -> dict:
+        hot = sum(int(u.hot.numel()) for u in units)
+        total = sum(u.intermediate for u in units)
+        return {"device": str(self.device), "device_memory": self.plan["fast_memory"], "hot_neurons": hot, "neurons": total,
+                "hot_fraction": hot / total if total else None, "device_mlp_bytes": sum(u.device_bytes for u in units),
+                "expected_hit_rate": self.plan["expected_hit_rate"]}  # fmt: skip
+
+
+class HybridMLP:
+    """`mlp(layer, lw, xn, resid)`: resid += MLP(xn) with the layer's SplitUnit: the hot part on the device, the cold
+    part through `cpu_mlp` (runtime/mlp.py SparseMLP) on CPU copies of xn and resid."""
+
+    def __init__(self, model, meter, cpu_mlp):
+        self.model, self.meter, self.cpu_mlp = model, meter, cpu_mlp
+        self.device = model.device_tier.device
+        meter.device_fired = torch.zeros((), dtype=torch.long, device=self.device)
+
+    def __call__(self, layer: int, lw, xn: torch.Tensor, resid: torch.Tensor) -> None:
+        unit = lw.units[0]
+        cold = unit.cold_ids.numel() > 0
+        if cold:  # the CPU's inputs first: the device's part then runs while the CPU computes
+            both = torch.cat([xn, resid]).to("cpu")  # [2N, H]
+            xc, rc = both[: xn.shape[0]], both[xn.shape[0] :]
+        y = self._hot(layer, unit, xn) if unit.hot.numel() else None
+        if cold:
+            yc = torch.zeros_like(xc)
+            self.cpu_mlp(layer, lw, xc, rc, out=yc)
+            resid += yc.to(self.device, non_blocking=True)
+        if y is not None:
+            resid += y
+
+    def _hot(self, layer: int, unit: SplitUnit, x: torch.Tensor) -> torch.Tensor:
+        g, u = unit.gate_up(x).chunk(2, dim=-1)
+        h = self.model.activations[layer](g, u)
+        self.meter.device_fired += (h != 0).sum()
+        self.meter.mlp(h.numel(), h.numel(), 0, unit.device_bytes)
+        return unit.down(h)

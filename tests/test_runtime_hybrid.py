@@ -1,0 +1,164 @@
+"""The hybrid tier (runtime/hybrid.py) with its fast device on the CPU: hot neurons computed in full on the device side,
+cold ones by the CPU kernels in the engine's mode. Pinned against the HF model (dense, exact and predicted masks),
+the CPU engine's greedy tokens, and its plan and errors."""
+
+import pytest
+import torch
+from tiny import profiled_checkpoint
+
+from sparseforge.errors import SparseforgeError
+from sparseforge.hooks import hook_mlps
+from sparseforge.predictors.fit import FittedUnit
+from sparseforge.predictors.model import LowRankPredictor
+from sparseforge.predictors.store import load_predictors, save_predictors
+from sparseforge.runtime import kernels
+from sparseforge.runtime.engine import Engine, GenerationConfig, open_engine
+from sparseforge.runtime.hybrid import device_plan, resolve_device
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NATIVE = [True, False] if kernels.native() is not None else [False]
+BUDGETS = ("0%", "25%", "100%")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """(HF dReLU model, checkpoint with a profile and random rank-8 predictors: about half the neurons predicted active)."""
+    ckpt, model, _ = profiled_checkpoint(tmp_path_factory.mktemp("hybrid"), "llama")
+    c = model.config
+    torch.manual_seed(1)
+    fitted = [FittedUnit(i, 0, LowRankPredictor(c.hidden_size, c.intermediate_size, 8), 0.0, {}) for i in range(c.num_hidden_layers)]
+    save_predictors(ckpt, fitted, {"num_experts": 1, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size})
+    return model, ckpt
+
+
+def _ids(n=2, t=10, seed=0):
+    return torch.randint(0, 300, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(engine, ids, split=4):
+    """Prefill ids[:, :split], then one position at a time: logits [B, T, V]."""
+    cache = engine.new_cache(ids.shape[0])
+    return torch.cat([engine.forward(ids[:, :split], cache)] + [engine.forward(ids[:, t : t + 1], cache) for t in range(split, ids.shape[1])], 1)
+
+
+def _hybrid(ckpt, mode, budget, native=None):
+    return Engine.load(ckpt, mode=mode, context=32, progress=False, native=native, device="cpu", device_memory=budget)
+
+
+@pytest.mark.parametrize("mode", ["dense", "oracle", "screen"])
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_exact_modes_match_hf_at_every_budget(llama, mode, budget):
+    model, ckpt = llama
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(ids).logits
+    for native in NATIVE if mode != "screen" else [None]:
+        engine = _hybrid(ckpt, mode, budget, native)
+        torch.testing.assert_close(_logits(engine, ids), ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(_logits(engine, ids[1:]), ref[1:], atol=2e-5, rtol=1e-4)  # batch 1: one-row cold kernels
+        device = engine.stats()["device"]
+        assert device["hot_fraction"] == {"0%": 0.0, "25%": 0.25, "100%": 1.0}[budget]
+        assert device["device_mlp_bytes"] == device["hot_neurons"] * 3 * model.config.hidden_size * 4
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_sparse_computes_hot_neurons_in_full_and_predicted_cold_ones(llama, budget):
+    """The reference: the HF model with each MLP masked to (predicted active) or (hot on the device)."""
+    model, ckpt = llama
+    predictors = load_predictors(ckpt)
+    plan = device_plan(ckpt, budget, "float32", 32)
+    hot = {}
+    for row in plan["layers"]:
+        mask = torch.zeros(model.config.intermediate_size, dtype=torch.bool)
+        mask[row["hot"]] = True
+        hot[row["layer"]] = mask
+
+    def keep(call):
+        k = predictors.predict(call.layer, call.expert, call.x) | hot[call.layer]
+        return torch.where(k, call.h, torch.zeros((), dtype=call.h.dtype))
+
+    ids = _ids(seed=1)
+    with torch.no_grad(), hook_mlps(model, keep, inputs=True):
+        ref = model(ids).logits
+    for native in NATIVE:
+        engine = _hybrid(ckpt, "sparse", budget, native)
+        torch.testing.assert_close(_logits(engine, ids), ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(_logits(engine, ids[:1]), ref[:1], atol=2e-5, rtol=1e-4)
+        stats = engine.stats()
+        assert stats["device"]["hot_fraction"] <= stats["neurons_computed_fraction"] <= 1.0
+        assert stats["neurons_fired_fraction"] <= stats["neurons_computed_fraction"]
+    if budget == "0%":  # nothing on the device: the CPU engine's sparse result
+        torch.testing.assert_close(_logits(Engine.load(ckpt, mode="sparse", context=32, progress=False), ids), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["oracle", "sparse"])
+def test_greedy_tokens_equal_the_cpu_engines(llama, mode):
+    """Exact masks: the CPU engine's tokens at every budget; sparse at 0%: the same neurons as the CPU engine."""
+    _, ckpt = llama
+    prompt = _ids(1, 5, seed=2)[0].tolist()
+    config = GenerationConfig(max_new_tokens=10, stop_ids=())
+    want = list(Engine.load(ckpt, mode=mode, context=32, progress=False).generate(prompt, config))
+    for budget in BUDGETS if mode == "oracle" else ("0%",):
+        with open_engine(ckpt, mode=mode, context=32, progress=False, device="cpu", device_memory=budget) as engine:
+            assert list(engine.generate(prompt, config)) == want
+
+
+def test_scorecard_times_the_device_tier(llama):
+    from sparseforge.data import default_pretrain_glob, expand
+    from sparseforge.eval.scorecard import SpeedSettings, measure_speed
+
+    try:
+        expand(default_pretrain_glob())
+    except SparseforgeError:
+        pytest.skip("no pretraining text under the data root (set SPARSEFORGE_DATA)")
+    _, ckpt = llama
+    speed = measure_speed(ckpt, SpeedSettings(("dense", "sparse"), 8, 3, 1, 1, 32, "cpu", "25%"), progress=False, log=lambda *a: None)
+    assert speed["settings"]["device"] == "cpu" and speed["settings"]["device_memory"] == "25%"
+    for mode in speed["modes"].values():
+        assert mode["device"]["hot_fraction"] == 0.25 and mode["decode_tokens_per_second"] > 0
+
+
+@pytest.mark.parametrize("mode", ["oracle", "sparse"])
+def test_the_disk_tier_holds_the_neurons_the_device_does_not(llama, mode):
+    """--device with --fast-memory: the neuron store's plan ranks the device's neurons last and the engine never asks
+    the store for them; the tokens are the all-in-memory hybrid's."""
+    _, ckpt = llama
+    prompt = _ids(1, 5, seed=3)[0].tolist()
+    config = GenerationConfig(max_new_tokens=10, stop_ids=())
+    with open_engine(ckpt, mode=mode, context=32, progress=False, device="cpu", device_memory="25%") as engine:
+        want = list(engine.generate(prompt, config))
+    with open_engine(ckpt, mode=mode, context=32, progress=False, device="cpu", device_memory="25%", fast_memory="30%") as engine:
+        assert list(engine.generate(prompt, config)) == want
+        stats = engine.stats()
+        assert stats["units"]["misses"] > 0 and stats["units"]["resident_bytes"] <= stats["units"]["mlp_budget_bytes"]
+        for lw in engine.model.weights.layers:
+            unit = lw.units[0]
+            assert (unit.inner.slot_of[unit.hot.numpy()] == -1).all()  # never pinned, never read
+
+
+def test_device_plan_reserves_no_predictors_or_head_screen(llama):
+    _, ckpt = llama
+    plan = device_plan(ckpt, "25%", "float32", 32)
+    assert plan["always_touched"]["predictors"] == 0 and plan["always_touched"]["head_screen"] == 0
+    assert plan["predictor_dtype"] is None and plan["always_touched"]["kv_cache"] > 0
+
+
+def test_errors_name_the_bad_value_and_the_fix(llama, tmp_path):
+    _, ckpt = llama
+    with pytest.raises(SparseforgeError, match="'gpu7' is not a device"):
+        resolve_device("gpu7")
+    if not torch.cuda.is_available():
+        with pytest.raises(SparseforgeError, match="no CUDA device"):
+            resolve_device("cuda")
+    with pytest.raises(SparseforgeError, match="--device-memory '12 parsecs' is not a size"):
+        device_plan(ckpt, "12 parsecs", "float32", 32)
+    with pytest.raises(SparseforgeError, match="--device-memory 1KB .* below the always-touched minimum"):
+        device_plan(ckpt, "1KB", "float32", 32)
+    with pytest.raises(SparseforgeError, match="head_screen=True"):
+        Engine.load(ckpt, mode="oracle", context=32, progress=False, device="cpu", head_screen=True)
+
+
+def test_moe_is_refused(tmp_path_factory):
+    ckpt, _, _ = profiled_checkpoint(tmp_path_factory.mktemp("hybrid-moe"), "mixtral")
+    with pytest.raises(SparseforgeError, match="experts per layer; the hybrid device tier supports dense MLPs only"):
+        Engine.load(ckpt, mode="oracle", context=32, progress=False, device="cpu", device_memory="50%")
