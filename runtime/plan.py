@@ -157,6 +157,7 @@ def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[in
         "intermediate_size": shape.intermediate,
         "hidden_size": shape.hidden,
         "layers": layers,
+        **({"excluded": {str(k): sorted(v) for k, v in exclude.items()}} if exclude else {}),
     }
 
 

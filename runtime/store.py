@@ -320,7 +320,9 @@ def split_slots(plan: dict, ckpt: Path, cache_fraction: float, min_cold_slots: i
     Returns ({(layer, expert): hot neuron ids [h_u], most frequent first}, pool slots)."""
     from sparseforge.predictors.profile import load_profile
 
-    counts = load_profile(ckpt)[0]["counts"]  # [L, E, I]
+    counts = load_profile(ckpt)[0]["counts"].to(torch.int64).clone()  # [L, E, I]
+    for layer, ids in plan.get("excluded", {}).items():  # neurons held elsewhere (a hybrid engine's device) rank last
+        counts[int(layer), 0, ids] = -1
     layers, experts, width = counts.shape
     if (len(plan["layers"]), plan["num_experts"], plan["intermediate_size"]) != (layers, experts, width):
         raise SparseforgeError(f"the plan for {plan['fast_memory']} places {len(plan['layers'])} layers x {plan['num_experts']} experts x "

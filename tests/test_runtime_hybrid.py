@@ -134,6 +134,11 @@ def test_the_disk_tier_holds_the_neurons_the_device_does_not(llama, mode):
         for lw in engine.model.weights.layers:
             unit = lw.units[0]
             assert (unit.inner.slot_of[unit.hot.numpy()] == -1).all()  # never pinned, never read
+    with open_engine(ckpt, mode="oracle", context=32, progress=False, device="cpu", device_memory="25%", fast_memory="90%") as engine:
+        for lw in engine.model.weights.layers:  # room for every CPU neuron: the pinned ones are still never the device's
+            unit = lw.units[0]
+            pinned = unit.inner.slot_of[: unit.intermediate] < engine.model.units.store.pool_start
+            assert not (pinned & (unit.inner.slot_of >= 0))[unit.hot.numpy()].any()
 
 
 def test_device_plan_reserves_no_predictors_or_head_screen(llama):
