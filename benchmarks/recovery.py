@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     batch = args.batch_size or (16 if device.type == "cuda" else 8)
-    val_batch = min(batch, 8)  # validation forwards hold [batch, seq_len, intermediate] activations; 8 is what ran on the GPU
+    val_batch = min(batch, 8)  # validation forwards hold [batch, seq_len, intermediate] activations per layer
     spec = yaml.safe_load(Path(args.rows).read_text())
     name = Path(args.rows).stem
     work = Path(args.work or ROOT / "runs" / "recovery" / name)

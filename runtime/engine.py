@@ -114,8 +114,8 @@ class Engine:
         if m.device_tier is not None:
             out["device"] = m.device_tier.stats([lw.units[0] for lw in m.weights.layers])
         if hasattr(m.units, "stats") and not isinstance(m.units, type):  # a factory reporting for all its units (the neuron store)
-            if m.units.stats():
-                out["units"] = m.units.stats()
+            if units := m.units.stats():  # a hybrid engine's factory reports only when a neuron store is under it
+                out["units"] = units
         else:  # else the units' own integer counters, summed
             merged = {}
             for u in (u for lw in m.weights.layers for u in lw.units if hasattr(u, "stats")):

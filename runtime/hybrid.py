@@ -81,6 +81,8 @@ class ColdBundles:
     """The CPU's part of a unit when every cold neuron is in memory: their bundles [c, 3, H] in slots 0..c-1, requested
     by neuron id (runtime/units.py's contract)."""
 
+    local = None  # the SplitUnit around it says which neurons are its
+
     def __init__(self, layer: int, expert: int, cold_ids: torch.Tensor, bundles: torch.Tensor, scales, channels, intermediate: int):
         self.layer, self.expert = layer, expert
         self.bundles, self.scales, self.channels = bundles, scales, channels
@@ -100,16 +102,16 @@ class SplitUnit:
     """One MLP split between the fast device (hot neurons, dense matrices) and the CPU (the cold neurons).
 
     As an MLP unit (runtime/units.py) it serves the cold part through `inner`: ColdBundles, or a unit of the neuron
-    store (runtime/store.py) when the cold neurons live on disk below a RAM budget. `cold` [I] (bool) and `cold_ids`
-    mark them, so runtime/mlp.py requests and computes on the CPU only the cold neurons it selects. `gate_up` [2h, H]
-    and `down` [H, h] are the hot part (Linear, on the device)."""
+    store (runtime/store.py) when the cold neurons live on disk below a RAM budget. `local` [I] (bool) and `local_ids`
+    mark the cold ones, so runtime/mlp.py requests and computes on the CPU only the cold neurons it selects.
+    `gate_up` [2h, H] and `down` [H, h] are the hot part (Linear, on the device)."""
 
     def __init__(self, hot: torch.Tensor, gate_up: Linear, down: Linear, inner):
         self.hot, self.gate_up, self.down, self.inner = hot, gate_up, down, inner
         self.layer, self.expert, self.intermediate, self.hidden = inner.layer, inner.expert, inner.intermediate, inner.hidden
-        self.cold = torch.ones(self.intermediate, dtype=torch.bool)
-        self.cold[hot] = False
-        self.cold_ids = self.cold.nonzero().flatten()
+        self.local = torch.ones(self.intermediate, dtype=torch.bool)
+        self.local[hot] = False
+        self.local_ids = self.local.nonzero().flatten()
 
     @property
     def bundles(self) -> torch.Tensor:
@@ -132,9 +134,6 @@ class SplitUnit:
 
     def order(self, neurons: torch.Tensor) -> torch.Tensor:
         return self.inner.order(neurons)
-
-    def stats(self) -> dict:
-        return self.inner.stats() if hasattr(self.inner, "stats") else {}
 
     @property
     def device_bytes(self) -> int:
@@ -182,23 +181,19 @@ def _device_linear(w: torch.Tensor, weight_dtype: str, device: torch.device, thr
     return Linear(weight.to(device), None if scales is None else scales.to(device), None, threads, native=native and device.type == "cpu")
 
 
-def to_device(linear: Linear, device: torch.device) -> Linear:
-    """A Linear's tensors on `device`, computed there with PyTorch ops."""
-    move = (lambda t: None if t is None else t.to(device))  # fmt: skip
-    return Linear(move(linear.weight), move(linear.scales), move(linear.bias), linear.threads, native=device.type == "cpu" and linear.native)
-
-
 def move_weights(weights, device: torch.device) -> None:
-    """Every non-MLP tensor of runtime/weights.py ModelWeights onto `device`, in place (a tied lm_head stays tied)."""
+    """Every non-MLP tensor of runtime/weights.py ModelWeights onto a non-CPU `device`, in place, computed there with
+    PyTorch ops (a tied lm_head stays tied)."""
     if device.type == "cpu":
         return
     move = (lambda t: None if t is None else t.to(device))  # fmt: skip
+    linear = (lambda m: Linear(move(m.weight), move(m.scales), move(m.bias), m.threads, native=False))  # fmt: skip
     tied = weights.lm_head.weight.data_ptr() == weights.embed.data_ptr()
     weights.embed, weights.embed_scales, weights.final_norm = move(weights.embed), move(weights.embed_scales), move(weights.final_norm)
-    weights.lm_head = Linear(weights.embed, weights.embed_scales, None, 1, native=False) if tied else to_device(weights.lm_head, device)
+    weights.lm_head = Linear(weights.embed, weights.embed_scales, None, 1, native=False) if tied else linear(weights.lm_head)
     for lw in weights.layers:
         lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm = (move(t) for t in (lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm))
-        lw.qkv, lw.o = to_device(lw.qkv, device), to_device(lw.o, device)
+        lw.qkv, lw.o = linear(lw.qkv), linear(lw.o)
 
 
 @dataclass
@@ -218,7 +213,7 @@ class DeviceTier:
 
 class HybridMLP:
     """`mlp(layer, lw, xn, resid)`: resid += MLP(xn) with the layer's SplitUnit: the hot part on the device, the cold
-    part through `cpu_mlp` (runtime/mlp.py SparseMLP) on CPU copies of xn and resid."""
+    part through `cpu_mlp` (runtime/mlp.py SparseMLP) on the CPU (on copies of xn and resid when the device is not it)."""
 
     def __init__(self, model, meter, cpu_mlp):
         self.model, self.meter, self.cpu_mlp = model, meter, cpu_mlp
@@ -227,9 +222,11 @@ class HybridMLP:
 
     def __call__(self, layer: int, lw, xn: torch.Tensor, resid: torch.Tensor) -> None:
         unit = lw.units[0]
-        cold = unit.cold_ids.numel() > 0
-        if cold:  # the CPU's inputs first: the device's part then runs while the CPU computes
-            both = torch.cat([xn, resid]).to("cpu")  # [2N, H]
+        cold = unit.local_ids.numel() > 0
+        if cold and self.device.type == "cpu":  # the CPU's part reads xn and resid before anything is added to resid
+            xc, rc = xn, resid
+        elif cold:  # the CPU's inputs first: the device's part then runs while the CPU computes
+            both = torch.cat([xn, resid]).cpu()  # [2N, H]
             xc, rc = both[: xn.shape[0]], both[xn.shape[0] :]
         y = self._hot(layer, unit, xn) if unit.hot.numel() else None
         if cold:

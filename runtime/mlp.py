@@ -123,9 +123,8 @@ class SparseMLP:
             keep, nbytes = screen_torch(self.model.screens[(layer, expert)], x)  # [n, I]
             self.meter.predictor(time.perf_counter() - start)
             self.meter.screen(nbytes)
-        cold = getattr(unit, "cold", None)  # a hybrid SplitUnit: its hot neurons are computed on the device (runtime/hybrid.py)
-        if keep is not None and cold is not None:
-            keep = keep & cold
+        if keep is not None and unit.local is not None:  # a hybrid split: its hot neurons are computed on the device
+            keep = keep & unit.local
         neurons = self._computed(unit, None) if keep is None else keep.any(0).nonzero().flatten()
         y = torch.zeros_like(x)
         act, fired = self.model.activations[layer], 0
@@ -142,10 +141,9 @@ class SparseMLP:
         return y
 
     def _computed(self, unit, neurons: torch.Tensor | None) -> torch.Tensor:
-        """The neurons this unit computes here of those chosen (None: all): a hybrid SplitUnit's cold ones alone."""
-        cold = getattr(unit, "cold", None)
-        if cold is not None:
-            return unit.cold_ids if neurons is None else neurons[cold[neurons]]
+        """The neurons computed through this unit of those chosen (None: all): its `local` ones (runtime/units.py)."""
+        if unit.local is not None:
+            return unit.local_ids if neurons is None else neurons[unit.local[neurons]]
         return self._all_neurons(unit.intermediate) if neurons is None else neurons
 
     def _all_neurons(self, intermediate: int) -> torch.Tensor:
@@ -155,5 +153,5 @@ class SparseMLP:
 
 
 def _width(unit) -> int:
-    """The neurons a unit computes here at most: all of them, or a hybrid SplitUnit's cold ones."""
-    return unit.cold_ids.numel() if getattr(unit, "cold", None) is not None else unit.intermediate
+    """The most neurons computed through a unit: all of them, or its `local` ones."""
+    return unit.intermediate if unit.local is None else unit.local_ids.numel()

@@ -81,7 +81,7 @@ class Model:
     def resident_bytes(self) -> int:
         """Weights, predictors and head screen held in memory."""
         screen = self.head_screen.nbytes if self.head_screen is not None else 0
-        device = sum(u.device_bytes for lw in self.weights.layers for u in lw.units if hasattr(u, "device_bytes"))
+        device = 0 if self.device_tier is None else sum(lw.units[0].device_bytes for lw in self.weights.layers)  # hot neurons
         return self.weights.resident_bytes() + predictors_nbytes(self.predictors or {}) + screen + screens_nbytes(self.screens) + device
 
     def stop_ids(self) -> tuple[int, ...]:

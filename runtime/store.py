@@ -63,6 +63,8 @@ class TieredUnit:
     The slot bookkeeping is numpy (a request is a few dozen small array operations; numpy's per-call cost is
     a fraction of torch's)."""
 
+    local = None  # every neuron is computed through the unit (runtime/units.py)
+
     def __init__(self, store: "NeuronStore", layer: int, expert: int, index: int, offset: int, hot: torch.Tensor):
         f = store.file
         self.store, self.layer, self.expert, self.index, self.offset = store, layer, expert, index, offset

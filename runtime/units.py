@@ -14,6 +14,9 @@ The engine asks a unit for the neurons it is about to compute:
     compute(neurons, slots)
     req.release()                          # the request's slots may be evicted from here on
 
+`unit.local` is None when every neuron of the MLP is computed through the unit; a hybrid engine's split unit
+(runtime/hybrid.py) sets it to the mask of the neurons the CPU computes (the others are on a device).
+
 `ResidentUnit` (everything in memory, slot = neuron) is the fully resident case. A tiered unit (hot
 neurons pinned, cold ones behind a cache over disk) implements the same interface. A request never asks
 for more than `capacity` neurons; callers with more (dense prefill under a small budget) split them into
@@ -59,6 +62,7 @@ class MLPUnit(Protocol):
     bundles: torch.Tensor  # [S, 3, H]
     scales: torch.Tensor | None  # [S, 3] float32 per-row scales when bundles are int8, else None
     channels: torch.Tensor | None  # [H] float32 per-output-channel scales of the int8 down columns, else None
+    local: torch.Tensor | None  # bool [I]: the neurons computed through this unit (a hybrid split: the CPU's); None: all
 
     def request(self, neurons: torch.Tensor) -> Request: ...
 
@@ -113,6 +117,8 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class ResidentUnit:
     """All of a unit's neurons in memory; slot j holds neuron j."""
+
+    local = None
 
     def __init__(self, layer: int, expert: int, bundles: torch.Tensor, scales: torch.Tensor | None = None, channels: torch.Tensor | None = None):
         self.layer, self.expert = layer, expert
