@@ -55,6 +55,7 @@ def _row_key(recipe: str, overrides: list[str], score: dict) -> str:
 @torch.no_grad()
 def zero_fraction(model, val: dict, batch: int = 4) -> float:
     from sparseforge.families import mlp_activations
+    from sparseforge.hooks import run_layers
 
     device = next(model.parameters()).device
     counts = torch.zeros(2, dtype=torch.float64, device=device)
@@ -67,7 +68,7 @@ def zero_fraction(model, val: dict, batch: int = 4) -> float:
     try:
         for windows in val.values():
             for i in range(0, len(windows), batch):
-                model(torch.as_tensor(windows[i : i + batch], device=device), use_cache=False)
+                run_layers(model, torch.as_tensor(windows[i : i + batch], device=device))
     finally:
         for h in handles:
             h.remove()

@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from sparseforge.families import num_experts
-from sparseforge.hooks import hook_mlps
+from sparseforge.hooks import hook_mlps, run_layers
 from sparseforge.sparsify.measure import batches, take_tokens
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
@@ -141,7 +141,7 @@ def collect_pairs(
         seen = 0
         with hook_mlps(model, fn, inputs=True), torch.inference_mode(), tqdm(total=tokens, unit="tok", desc=f"collect {part}", disable=not progress) as bar:
             for batch in batches(take_tokens(stream, tokens), batch_size):
-                model(torch.tensor(batch, device=device), use_cache=False)
+                run_layers(model, torch.tensor(batch, device=device))
                 seen += len(batch) * len(batch[0])
                 bar.update(len(batch) * len(batch[0]))
         setattr(sets, f"{part}_tokens", seen)

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from sparseforge.errors import SparseforgeError
 from sparseforge.families import num_experts
 from sparseforge.files import damaged
-from sparseforge.hooks import hook_mlps
+from sparseforge.hooks import hook_mlps, run_layers
 from sparseforge.predictors.collect import mlp_width, reservoirs
 from sparseforge.predictors.tensorfile import load_pair, save_pair
 from sparseforge.sparsify.measure import batches, take_tokens
@@ -109,7 +109,7 @@ def profile_model(
     total = 0
     with hook_mlps(model, fn), torch.inference_mode(), tqdm(total=tokens, unit="tok", desc="profile", disable=not progress) as bar:
         for batch in batches(take_tokens(windows, tokens), batch_size):
-            model(torch.tensor(batch, device=device), use_cache=False)
+            run_layers(model, torch.tensor(batch, device=device))
             total += len(batch) * len(batch[0])
             bar.update(len(batch) * len(batch[0]))
     if total == 0:

@@ -105,3 +105,9 @@ def _act_hook(hooks: MLPHooks, layer: int, fn: MLPHook, inputs: bool):
         return None if out is None else out.reshape(h.shape)
 
     return hook
+
+
+def run_layers(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Forward ids [B, S] through the embeddings and decoder layers of a causal LM, not its lm_head: all that the
+    MLP hooks see, at less cost. Returns the final normed hidden states [B, S, H]."""
+    return model.model(input_ids=ids, use_cache=False).last_hidden_state

@@ -5,8 +5,9 @@ This is threshold shifting (ProSparse's last stage, CATS's calibration) applied 
 products a trained dReLU MLP still emits carry little of its output, and a zero is a neuron the runtime
 never reads. Thresholds are calibrated on the plain dReLU model (any thresholds the checkpoint has are
 ignored while measuring), one per layer, from the exact order statistics of the positive products: per
-layer only the largest `ceil((1 - target) * values)` products are kept between batches, so memory is
-that many floats per layer plus one batch, not the whole activation tensor.
+layer at most twice the largest `ceil((1 - target) * values)` products are kept between batches, so memory
+is that many floats per layer plus one batch, not the whole activation tensor. The forward passes stop at
+the last decoder layer (no lm_head).
 
 The result costs accuracy; continued pretraining with the thresholds in place (docs/training.md,
 `recipes/smollm2-135m-drelu-t90.yaml`) recovers part of it.
@@ -20,16 +21,18 @@ from tqdm.auto import tqdm
 
 from sparseforge.errors import SparseforgeError
 from sparseforge.families import mlp_activations
-from sparseforge.hooks import hook_mlps
+from sparseforge.hooks import hook_mlps, run_layers
 from sparseforge.sparsify.measure import batches, take_tokens
 
 THRESHOLDS_FILE_VERSION = 1
 
 
-class _LargestPositive:
-    """Per layer: how many activations were seen and the largest positive ones. After each batch only as
-    many are kept as the final order statistic can need: (1 - target) of the values per token seen so far
-    (I for a dense MLP, routed experts x I for MoE) times the planned token count."""
+class LargestPositive:
+    """Per layer: how many activations were seen and the largest positive ones. A layer's candidates are cut
+    back to the ones the final order statistic can need, (1 - target) of the values per token seen so far
+    (I for a dense MLP, routed experts x I for MoE) times the planned token count, whenever they hold twice
+    that many: a linear-time selection (kthvalue) on at most three times the kept values, so the work per
+    token stays constant however many tokens are planned."""
 
     def __init__(self, layers: int, keep_fraction: float, tokens: int):
         self.keep_fraction, self.tokens = keep_fraction, tokens
@@ -37,6 +40,7 @@ class _LargestPositive:
         self.positive = [0] * layers
         self.top: list[torch.Tensor | None] = [None] * layers
         self._pending: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+        self._held = [0] * layers  # values in top + pending
 
     def add(self, layer: int, h: torch.Tensor) -> None:
         values = h.detach().float().flatten()
@@ -44,15 +48,24 @@ class _LargestPositive:
         self.seen[layer] += h.numel()
         self.positive[layer] += values.numel()
         self._pending[layer].append(values)
+        self._held[layer] += values.numel()
 
-    def prune(self, tokens_so_far: int) -> None:
+    def prune(self, tokens_so_far: int, final: bool = False) -> None:
+        """Merge each layer's pending values into its candidates; cut them back once they hold twice the
+        needed count (always when final)."""
         for layer, pending in enumerate(self._pending):
             if not pending:
                 continue
             keep = math.ceil(self.keep_fraction * self.seen[layer] / tokens_so_far * self.tokens) + 1
+            if not final and self._held[layer] <= 2 * keep:
+                continue
             merged = torch.cat(pending if self.top[layer] is None else [self.top[layer], *pending])
-            self.top[layer] = torch.topk(merged, keep).values if merged.numel() > keep else merged
             pending.clear()
+            if merged.numel() > keep:
+                cut = torch.kthvalue(merged, merged.numel() - keep + 1).values  # the keep-th largest
+                merged = merged[merged >= cut]  # ties kept: every value the final statistic can need
+            self.top[layer] = merged
+            self._held[layer] = merged.numel()
 
     def threshold(self, layer: int) -> float:
         """t such that at most (1 - target) of the layer's activations are > t (0 if already that sparse)."""
@@ -60,7 +73,7 @@ class _LargestPositive:
         top = self.top[layer]
         if top is None or top.numel() <= allowed:
             return 0.0
-        return float(torch.sort(top, descending=True).values[allowed])
+        return float(torch.kthvalue(top, top.numel() - allowed).values)  # the (allowed + 1)-th largest
 
 
 def check_target_zeros(target: float) -> None:
@@ -81,7 +94,7 @@ def calibrate_thresholds(model, windows: Iterable[list[int]], tokens: int, targe
                                "(convert with --activation drelu first)")
     acts = mlp_activations(model)
     saved = [a.threshold for a in acts]
-    store = _LargestPositive(len(acts), 1.0 - target, tokens)
+    store = LargestPositive(len(acts), 1.0 - target, tokens)
 
     hooks = hook_mlps(model, lambda call: store.add(call.layer, call.h))
     device = next(model.parameters()).device
@@ -91,10 +104,11 @@ def calibrate_thresholds(model, windows: Iterable[list[int]], tokens: int, targe
             a.threshold = 0.0
         with torch.inference_mode(), tqdm(total=tokens, unit="tok", desc="threshold", disable=not progress) as bar:
             for batch in batches(take_tokens(windows, tokens), batch_size):
-                model(torch.tensor(batch, device=device), use_cache=False)
+                run_layers(model, torch.tensor(batch, device=device))
                 seen += len(batch) * len(batch[0])
                 store.prune(seen)
                 bar.update(len(batch) * len(batch[0]))
+            store.prune(max(seen, 1), final=True)
     finally:
         hooks.remove()
         for a, t in zip(acts, saved):

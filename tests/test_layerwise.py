@@ -1,12 +1,14 @@
 """Stage 1: the layer-by-layer pass is the model's own forward; the least-squares init lowers every layer's error."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 from tiny import random_windows, tiny_model
 
 from sparseforge.errors import SparseforgeError
+from sparseforge.families import mlp_activations
 from sparseforge.sparsify.convert import convert_model
 from sparseforge.train.layerwise import LayerwiseSettings, _attention_part, distill_layerwise
 
@@ -66,3 +68,38 @@ def test_the_errors_are_measured_on_strided_tokens_and_training_uses_all(monkeyp
         assert torch.equal(a, b)
     assert all(a["rel_mse_after"] != b["rel_mse_after"] for a, b in zip(every, some))
     assert all(b["rel_mse_after"] < b["rel_mse_before"] for b in some)
+
+
+def test_lsq_init_gives_the_same_mlp_whether_or_not_it_keeps_the_pre_activations(monkeypatch):
+    import sparseforge.train.layerwise as layerwise
+
+    dense = tiny_model("llama", layers=2)
+    ids = torch.tensor(random_windows(8, 32))
+    settings = LayerwiseSettings(epochs=0, inputs="student")
+    monkeypatch.setattr(layerwise, "_CHUNK", 48)  # 256 tokens in six chunks, the last one short
+    kept, recomputed = convert_model(copy.deepcopy(dense), "drelu"), convert_model(copy.deepcopy(dense), "drelu")
+    a = distill_layerwise(kept, dense, ids, settings, progress=False)
+    monkeypatch.setattr(layerwise, "LSQ_CACHE_BYTES", 0)
+    b = distill_layerwise(recomputed, dense, ids, settings, progress=False)
+    assert [s["flipped"] for s in a] == [s["flipped"] for s in b] and any(s["flipped"] for s in a)
+    for p, q in zip(kept.parameters(), recomputed.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("epochs", [0, 1])
+def test_stage_1_sets_each_layers_threshold_before_its_refit(epochs):
+    """With target_zeros each layer's threshold gives that fraction of exact zeros on its own inputs (all of them:
+    fewer than THRESHOLD_TOKENS), after Adam too, the refit works with it in place, and the later layers see the
+    thresholded stream."""
+    dense = tiny_model("llama", layers=3)
+    ids = torch.tensor(random_windows(8, 32))
+    settings = LayerwiseSettings(epochs=epochs, batch_tokens=64, inputs="student")
+    plain = distill_layerwise(convert_model(copy.deepcopy(dense), "drelu"), dense, ids, settings, progress=False)
+    sparse = convert_model(copy.deepcopy(dense), "drelu")
+    stats = distill_layerwise(sparse, dense, ids, dataclasses.replace(settings, target_zeros=0.8), progress=False)
+    for s, p in zip(stats, plain):
+        assert s["zero_fraction_before"] < 0.8 and s["threshold"] > 0
+        assert 0.8 <= s["zero_fraction_after"] < 0.8 + 2 / (256 * 128)  # the order statistic on these very tokens
+        assert s["rel_mse_init"] < s["rel_mse_before"]
+    assert [a.threshold for a in mlp_activations(sparse)] == [s["threshold"] for s in stats]
+    assert stats[1]["rel_mse_before"] != plain[1]["rel_mse_before"]  # layer 1 read the thresholded layer 0

@@ -34,6 +34,22 @@ def test_drelu_threshold_zeroes_small_products_only():
     assert "threshold=0.5" in repr(GatedActivation("drelu", 0.5)) and "threshold" not in repr(GatedActivation("drelu"))
 
 
+def test_largest_positive_store_gives_the_exact_order_statistic_over_many_batches():
+    from sparseforge.sparsify.threshold import LargestPositive
+
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(8, 64, generator=g).relu().round(decimals=1) for _ in range(20)]  # rounded: many ties
+    store = LargestPositive(1, 0.1, 20 * 8)
+    for i, h in enumerate(batches):
+        store.add(0, h)
+        store.prune((i + 1) * 8)
+    store.prune(20 * 8, final=True)
+    every = torch.cat([h.flatten() for h in batches])
+    allowed = int(0.1 * every.numel())
+    assert store.threshold(0) == float(torch.sort(every, descending=True).values[allowed])
+    assert store.top[0].numel() < every.numel() // 2  # candidates were cut back along the way
+
+
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
 def test_calibration_hits_the_target_exactly_where_inputs_are_unchanged(family, one_thread):
     model = convert_model(tiny_model(family, layers=3), "drelu")

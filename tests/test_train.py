@@ -188,15 +188,22 @@ def test_tokenize_only_builds_the_stores_without_a_model(workspace, tmp_path, ca
     assert len(list((tmp_path / "cache").glob("*/meta.json"))) == 3 and not (tmp_path / "run" / "checkpoint").exists()
 
 
-def test_target_zeros_thresholds_survive_resume_and_reach_the_checkpoint(workspace, tmp_path):
-    """target_zeros sets per-layer thresholds after stage 1; the end-to-end steps train with them in place, a resumed
-    run sets the same ones (same losses as uninterrupted), and the checkpoint carries them."""
-    keys = dict(target_zeros=0.9, layerwise_tokens=128, layerwise_epochs=1, layerwise_batch_tokens=64, distill_kl=0.5)
+@pytest.mark.parametrize("layerwise_thresholds", [False, True])
+def test_target_zeros_thresholds_survive_resume_and_reach_the_checkpoint(workspace, tmp_path, layerwise_thresholds):
+    """target_zeros sets per-layer thresholds after stage 1 (or stage 1 sets them layer by layer); the end-to-end steps
+    train with them in place, a resumed run sets the same ones (same losses as uninterrupted), and the checkpoint
+    carries them."""
+    keys = dict(target_zeros=0.9, layerwise_tokens=128, layerwise_epochs=1, layerwise_batch_tokens=64, distill_kl=0.5,
+                layerwise_thresholds=layerwise_thresholds)
     ckpt = train(_recipe(workspace, tmp_path / "full", **keys), progress=False)
     full, lines = _losses(tmp_path / "full")
     record = next(l for l in lines if l.get("stage") == "threshold")
     assert record["zero_fraction_after"] > record["zero_fraction_before"] and record["zero_fraction_after"] >= 0.85
+    stage1 = json.loads((tmp_path / "full" / "layerwise.json").read_text())["layers"]
+    assert all(("threshold" in l) == layerwise_thresholds for l in stage1)
     saved = json.loads((ckpt / "thresholds.json").read_text())
+    if layerwise_thresholds:
+        assert saved["thresholds"] == [l["threshold"] for l in stage1] and saved["set_by"] == "stage 1, layer by layer"
     assert json.loads((ckpt / "config.json").read_text())["sparsity"]["thresholds"] == saved["thresholds"]
     assert any(t > 0 for t in saved["thresholds"]) and saved["target"] == 0.9
     assert all(l["mlp_zero_fraction"] >= 0.8 for l in lines if "loss" in l)

@@ -9,8 +9,10 @@ token (the cost of one forward pass, whatever the number of layers). At layer l:
 2. the target: `target="mlp"` is the dense MLP's output on the same x, y = down(silu(gate(x)) * up(x));
    `target="stream"` (student inputs only) is what brings the student's stream back onto the dense model's,
    y = h_teacher(l+1) - r, so each MLP also corrects the error of the layers before it;
-3. `init="lsq"` first rebuilds the sparse MLP from the dense one (below), then Adam minimizes
-   ||mlp(x) - y||^2 / ||y||^2 for `epochs` passes;
+3. `init="lsq"` first rebuilds the sparse MLP from the dense one (below); with `target_zeros` the layer's dReLU
+   threshold is set for that fraction of exact zeros on x between the sign flip and the refit, so the refit,
+   Adam and every later layer work with it in place (and set again after Adam, which moves the products); then
+   Adam minimizes ||mlp(x) - y||^2 / ||y||^2 for `epochs` passes;
 4. the student stream moves on: h = r + mlp(x).
 
 The init. dReLU keeps a neuron's output only where gate and up are both positive, so a SwiGLU neuron whose
@@ -32,10 +34,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from sparseforge.errors import SparseforgeError
+from sparseforge.sparsify.threshold import LargestPositive
+from sparseforge.train.thresholds import THRESHOLD_TOKENS
 
 _CHUNK = 4096  # tokens per matmul when streaming over all tokens of a layer
-DIAG_TOKENS = 16384  # the per-layer relative errors are measured on this many of a layer's tokens, evenly strided
+DIAG_TOKENS = 4096  # the per-layer relative errors are measured on this many of a layer's tokens, evenly strided
 LSQ_RIDGE = 1e-3  # lam as a fraction of the mean diagonal of H^T H
+LSQ_CACHE_BYTES = 4 << 30  # the init keeps each token's gate and up pre-activations between its two passes up to this size
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,7 @@ class LayerwiseSettings:
     target: str = "mlp"  # mlp | stream (student inputs only)
     init: str = "lsq"  # lsq | none
     forward_batch: int = 4  # windows per layer forward
+    target_zeros: float | None = None  # set each layer's dReLU threshold for this fraction of exact zeros before its refit
     seed: int = 0
 
 
@@ -91,34 +97,70 @@ def _apply(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _init_lsq(student_mlp, teacher_mlp, x: torch.Tensor, y: torch.Tensor) -> dict:
-    """Sign of (up, down) per neuron, then down by ridge least squares (see the module docstring). x, y: [T, H]."""
-    wg, wu, wd = teacher_mlp.gate_proj.weight, teacher_mlp.up_proj.weight, teacher_mlp.down_proj.weight  # [I, H], [I, H], [H, I]
+def _flip_signs(student_mlp, teacher_mlp, x: torch.Tensor) -> tuple[torch.Tensor, list | None]:
+    """Copy gate and up from the teacher, each neuron's up row with the sign that keeps more of its SwiGLU output on
+    x [T, H] (see the module docstring). Returns the signs [I] and, if they fit LSQ_CACHE_BYTES, each chunk's
+    student pre-activations (gate, up) for the refit (else None: it recomputes them)."""
+    wg, wu = teacher_mlp.gate_proj.weight, teacher_mlp.up_proj.weight  # [I, H]
     if any(getattr(m, "bias", None) is not None for m in (student_mlp.gate_proj, student_mlp.up_proj, student_mlp.down_proj)):
         raise SparseforgeError("layerwise_init: lsq needs MLPs without biases; set layerwise_init: none")
     keep = torch.zeros(wg.shape[0], dtype=torch.float64, device=x.device)
     flip = torch.zeros_like(keep)
+    pre = [] if 2 * len(x) * wg.shape[0] * x.element_size() <= LSQ_CACHE_BYTES else None
     for i in range(0, len(x), _CHUNK):
         g, u = x[i : i + _CHUNK] @ wg.T, x[i : i + _CHUNK] @ wu.T  # [t, I]
         s = F.silu(g) * u
         keep += (s - F.relu(g) * F.relu(u)).pow(2).sum(0, dtype=torch.float64)
         flip += (s + F.relu(g) * F.relu(-u)).pow(2).sum(0, dtype=torch.float64)
+        if pre is not None:
+            pre.append((g, u))
+        del s
     sign = torch.where(flip < keep, -1.0, 1.0).to(wu.dtype)  # [I]
     student_mlp.gate_proj.weight.copy_(wg)
     student_mlp.up_proj.weight.copy_(wu * sign[:, None])
-    d0 = wd * sign[None, :]  # [H, I]
-    hth = torch.zeros(wg.shape[0], wg.shape[0], dtype=torch.float64, device=x.device)
-    yth = torch.zeros(wd.shape[0], wg.shape[0], dtype=torch.float64, device=x.device)
-    act = student_mlp.activation
-    for i in range(0, len(x), _CHUNK):
-        h = act(student_mlp.gate_proj(x[i : i + _CHUNK]), student_mlp.up_proj(x[i : i + _CHUNK]))  # [t, I]
+    for g, u in pre or ():
+        u.mul_(sign)  # the student's up
+    return sign, pre
+
+
+@torch.no_grad()
+def _refit_down(student_mlp, x: torch.Tensor, y: torch.Tensor, d0: torch.Tensor, pre: list | None) -> None:
+    """down by ridge least squares on all tokens, shrunk towards d0 [H, I], through the student's activation (with
+    its threshold): see the module docstring. pre: _flip_signs' pre-activations, consumed."""
+    width = d0.shape[1]
+    hth = torch.zeros(width, width, dtype=torch.float64, device=x.device)
+    yth = torch.zeros(d0.shape[0], width, dtype=torch.float64, device=x.device)
+    for k, i in enumerate(range(0, len(x), _CHUNK)):
+        g, u = pre[k] if pre is not None else (student_mlp.gate_proj(x[i : i + _CHUNK]), student_mlp.up_proj(x[i : i + _CHUNK]))
+        if pre is not None:
+            pre[k] = None
+        h = student_mlp.activation(g, u)  # [t, I]
         hth += (h.T @ h).double()
         yth += (y[i : i + _CHUNK].T @ h).double()
     lam = LSQ_RIDGE * hth.diagonal().mean().clamp_min(1e-12)
-    eye = torch.eye(len(hth), dtype=hth.dtype, device=hth.device)
+    eye = torch.eye(width, dtype=hth.dtype, device=hth.device)
     down = torch.linalg.solve(hth + lam * eye, (yth + lam * d0.double()).T).T  # [H, I]
-    student_mlp.down_proj.weight.copy_(down.to(wd.dtype))
-    return {"flipped": int((sign < 0).sum())}
+    student_mlp.down_proj.weight.copy_(down.to(student_mlp.down_proj.weight.dtype))
+
+
+@torch.no_grad()
+def _set_threshold(mlp, x: torch.Tensor, target: float) -> dict:
+    """Set the MLP's dReLU threshold for `target` exact zeros on x [T, H] (THRESHOLD_TOKENS of them, evenly strided),
+    the order statistic `sparseforge threshold` uses. Returns {"threshold", "zero_fraction_before"}."""
+    act = mlp.activation
+    act.threshold = 0.0
+    xs = x[:: -(-len(x) // THRESHOLD_TOKENS)]
+    store = LargestPositive(1, 1.0 - target, len(xs))
+    for i in range(0, len(xs), _CHUNK):
+        store.add(0, act(mlp.gate_proj(xs[i : i + _CHUNK]), mlp.up_proj(xs[i : i + _CHUNK])))
+    store.prune(len(xs), final=True)
+    act.threshold = store.threshold(0)
+    return {"threshold": act.threshold, "zero_fraction_before": 1 - store.positive[0] / store.seen[0]}
+
+
+@torch.no_grad()
+def _zero_fraction(mlp, x: torch.Tensor) -> float:
+    return float((mlp.activation(mlp.gate_proj(x), mlp.up_proj(x)) == 0).float().mean())
 
 
 def _rel_err(out: torch.Tensor, y: torch.Tensor) -> float:
@@ -184,11 +226,20 @@ def distill_layerwise(student, teacher, windows: torch.Tensor, settings: Layerwi
         probe = slice(None, None, -(-len(x) // DIAG_TOKENS))  # the diagnostics' tokens (training uses all of them)
         xp, yp = x[probe], y[probe]
         row = {"layer": l, "rel_mse_before": _rel_mse(mlp, xp, yp)}
+        sign, pre = _flip_signs(mlp, teacher_mlp, x) if s.init == "lsq" else (None, None)
+        if s.target_zeros is not None:
+            row.update(_set_threshold(mlp, x, s.target_zeros))
         if s.init == "lsq":
-            row.update(_init_lsq(mlp, teacher_mlp, x, y))
+            _refit_down(mlp, x, y, teacher_mlp.down_proj.weight * sign[None, :], pre)
+            row["flipped"] = int((sign < 0).sum())
             row["rel_mse_init"] = _rel_mse(mlp, xp, yp)
+        del pre
         if s.epochs:
             _fit(mlp, x, y, s, s.seed + l)
+            if s.target_zeros is not None:  # Adam moved the products: the threshold again, for the target exactly
+                row["threshold"] = _set_threshold(mlp, x, s.target_zeros)["threshold"]
+        if s.target_zeros is not None:
+            row["zero_fraction_after"] = _zero_fraction(mlp, xp)
         out = y if s.inputs == "teacher" else _apply(mlp, x)  # what the stream moves on with
         row["rel_mse_after"] = _rel_mse(mlp, xp, yp) if s.inputs == "teacher" else _rel_err(out[probe], yp)
         stream = residual + out.reshape(residual.shape)

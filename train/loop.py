@@ -206,7 +206,8 @@ def _stage1(r: Recipe, model, teacher, mixture, device, progress: bool) -> dict:
     """Layer-wise MLP distillation on the first layerwise_tokens of the mixture; returns its record."""
     windows = torch.as_tensor(mixture.next_batch(-(-r.layerwise_tokens // r.seq_len)), device=device)  # [N, S]
     settings = LayerwiseSettings(r.layerwise_epochs, r.layerwise_lr, r.layerwise_batch_tokens, r.layerwise_inputs,
-                                 r.layerwise_target, r.layerwise_init, r.micro_batch_size, r.seed)
+                                 r.layerwise_target, r.layerwise_init, r.micro_batch_size,
+                                 r.target_zeros if r.layerwise_thresholds else None, r.seed)
     start = time.perf_counter()
     stats = distill_layerwise(model, teacher, windows, settings, progress)
     return {"stage": "layerwise", "step": 0, "tokens": windows.numel(), "seconds": time.perf_counter() - start, "layers": stats}
@@ -263,6 +264,7 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     if teacher is not None and latest is None:  # where recovery should head: the dense original on the same text
         log.write({"step": 0, "reference": "dense teacher", "val_loss": model_validation_loss(teacher, val, device, r.micro_batch_size)})
     val_loss_now = None  # the student's validation loss, when stage 1 has just measured it
+    stage1_thresholds = None  # stage 1's per-layer stats, when it set the target_zeros thresholds
     if r.layerwise_tokens and latest is None:  # a resumed state already holds the stage-1 weights
         before = model_validation_loss(model, val, device, r.micro_batch_size)
         record = _stage1(r, model, teacher, build_mixture(r.sources, seq_len=r.seq_len, seed=r.seed, **data), device, progress and main)
@@ -270,11 +272,13 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
         log.write({k: v for k, v in record.items() if k != "layers"})
         if main:
             atomic_write_text(run_dir / "layerwise.json", json.dumps(record, indent=1) + "\n")
+        stage1_thresholds = record["layers"] if r.layerwise_thresholds and r.target_zeros is not None else None
     if r.target_zeros is not None:
-        record = set_thresholds(r, model, run_dir, latest, build_mixture(r.sources, seq_len=r.seq_len, seed=r.seed, **data), main, progress and main)
+        record = set_thresholds(r, model, run_dir, latest, build_mixture(r.sources, seq_len=r.seq_len, seed=r.seed, **data), main,
+                                progress and main, layerwise=stage1_thresholds)
         if record is not None:
             log.write(record)
-            val_loss_now = None  # the thresholds changed the model: measure it again
+            val_loss_now = val_loss_now if stage1_thresholds else None  # thresholds set after stage 1 changed the model: measure again
     if r.distill_kl == 0:
         teacher = None
     elif teacher is not None:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparseforge.hooks import run_layers
 from sparseforge.train.losses import IGNORE, ce_sum, distill_loss, reference_loss
 
 
@@ -22,7 +23,7 @@ def next_token_labels(ids: torch.Tensor) -> torch.Tensor:
 
 def final_hidden(causal_lm, ids: torch.Tensor) -> torch.Tensor:
     """[B, S] ids -> [B*S, H] final normed hidden states (what the LM head reads)."""
-    return causal_lm.model(input_ids=ids, use_cache=False).last_hidden_state.flatten(0, 1)
+    return run_layers(causal_lm, ids).flatten(0, 1)
 
 
 class Objective(nn.Module):

@@ -65,7 +65,8 @@ class Recipe:
     layerwise_inputs: str = "teacher"  # teacher: MLP inputs from the dense model; student: from already-distilled layers
     layerwise_target: str = "mlp"  # mlp: the dense MLP's output; stream: the dense model's stream minus the student's (student inputs)
     layerwise_init: str = "lsq"  # lsq: per-neuron sign of (up, down), then down by least squares, before Adam; none: as converted
-    target_zeros: float | None = None  # dReLU thresholds set after stage 1 for this fraction of exact zeros per layer, kept while training end to end (null: none)
+    target_zeros: float | None = None  # dReLU thresholds set before end-to-end training for this fraction of exact zeros per layer, kept while training (null: none)
+    layerwise_thresholds: bool = False  # true: stage 1 sets each layer's target_zeros threshold before refitting it; false: calibrated after stage 1
     device: str = "auto"  # auto: accelerate's choice; cpu forces CPU
     stages: dict = field(default_factory=dict)  # `sparseforge run`: extra arguments of the later stages (sparseforge/pipeline.py)
 

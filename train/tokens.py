@@ -1,6 +1,6 @@
 """The token store: each training source tokenized once, packed, and memory-mapped.
 
-One directory per (tokenizer, source, val_every, the source files' sizes and mtimes), under the cache folder
+One directory per (tokenizer, source, val_every, the source files' names, sizes and content hashes), under the cache folder
 (`token_cache` in the recipe, else $SPARSEFORGE_CACHE/tokens, else ~/.cache/sparseforge/tokens):
 
     meta.json   format_version, what the key was made of, token and document counts, dtype
@@ -87,8 +87,16 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(f"{text}|eos={tokenizer.eos_token_id}".encode()).hexdigest()[:16]
 
 
+def _content_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
 def _key(spec: SourceSpec, tokenizer, val_every: int, root: Path | None) -> dict:
-    files = [] if spec.hub else [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in _files(spec, root)]
+    files = [] if spec.hub else [[f.name, f.stat().st_size, _content_hash(f)] for f in _files(spec, root)]
     source = {k: v for k, v in asdict(spec).items() if k not in ("name", "weight")}
     return {"tokenizer": tokenizer_fingerprint(tokenizer), "source": source, "val_every": val_every, "files": files}
 
