@@ -204,6 +204,7 @@ def test_target_zeros_thresholds_survive_resume_and_reach_the_checkpoint(workspa
     saved = json.loads((ckpt / "thresholds.json").read_text())
     if layerwise_thresholds:
         assert saved["thresholds"] == [l["threshold"] for l in stage1] and saved["set_by"] == "stage 1, layer by layer"
+        assert saved["tokens"] == 128  # every stage-1 token: fewer than THRESHOLD_TOKENS
     assert json.loads((ckpt / "config.json").read_text())["sparsity"]["thresholds"] == saved["thresholds"]
     assert any(t > 0 for t in saved["thresholds"]) and saved["target"] == 0.9
     assert all(l["mlp_zero_fraction"] >= 0.8 for l in lines if "loss" in l)

@@ -146,7 +146,7 @@ def _refit_down(student_mlp, x: torch.Tensor, y: torch.Tensor, d0: torch.Tensor,
 @torch.no_grad()
 def _set_threshold(mlp, x: torch.Tensor, target: float) -> dict:
     """Set the MLP's dReLU threshold for `target` exact zeros on x [T, H] (THRESHOLD_TOKENS of them, evenly strided),
-    the order statistic `sparseforge threshold` uses. Returns {"threshold", "zero_fraction_before"}."""
+    the order statistic `sparseforge threshold` uses. Returns {"threshold", "threshold_tokens", "zero_fraction_before"}."""
     act = mlp.activation
     act.threshold = 0.0
     xs = x[:: -(-len(x) // THRESHOLD_TOKENS)]
@@ -155,7 +155,7 @@ def _set_threshold(mlp, x: torch.Tensor, target: float) -> dict:
         store.add(0, act(mlp.gate_proj(xs[i : i + _CHUNK]), mlp.up_proj(xs[i : i + _CHUNK])))
     store.prune(len(xs), final=True)
     act.threshold = store.threshold(0)
-    return {"threshold": act.threshold, "zero_fraction_before": 1 - store.positive[0] / store.seen[0]}
+    return {"threshold": act.threshold, "threshold_tokens": len(xs), "zero_fraction_before": 1 - store.positive[0] / store.seen[0]}
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ def set_thresholds(r: Recipe, model, run_dir: Path, latest: Path | None, mixture
     if layerwise is not None:
         layers = [{"layer": x["layer"], "threshold": x["threshold"], "zero_fraction_before": x["zero_fraction_before"],
                    "zero_fraction_after": x["zero_fraction_after"]} for x in layerwise]
-        report = {"target": r.target_zeros, "tokens": min(r.layerwise_tokens, THRESHOLD_TOKENS), "set_by": "stage 1, layer by layer",
+        report = {"target": r.target_zeros, "tokens": layerwise[0]["threshold_tokens"], "set_by": "stage 1, layer by layer",
                   "thresholds": [x["threshold"] for x in layers], "layers": layers}
     else:
         windows = mixture.next_batch(-(-THRESHOLD_TOKENS // r.seq_len)).tolist()

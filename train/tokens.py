@@ -12,6 +12,7 @@ process that finds it complete reads it. Reading a window is a slice of the memo
 no Python lists, nothing that can stall a device.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -88,6 +89,14 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def _content_hash(path: Path) -> str:
+    stat = path.stat()
+    return _hash_file(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=None)
+def _hash_file(path: str, size: int, mtime_ns: int) -> str:
+    """The file's content hash, read once per process while its size and mtime stay the same (a run opens each store
+    several times)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
