@@ -26,7 +26,7 @@ from pathlib import Path
 from sparseforge.atomic import atomic_write_text
 from sparseforge.checkpoint import SPARSITY_PROVENANCE, read_artifact, recorded_source, write_artifact
 from sparseforge.errors import SparseforgeError
-from sparseforge.files import read_json
+from sparseforge.files import file_digest, read_json
 
 EVAL_FORMAT_VERSION = 1
 CONFIGS = ("original", "oracle", "sparse")
@@ -145,25 +145,10 @@ def markdown(report: dict) -> str:
 PARTS_DIR = "eval-parts"  # CKPT/eval-parts/<config>.<task>.json: one scored (configuration, task), reused on re-runs
 
 
-_DIGESTS: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256: one hash per file per process
-
-
-def _digest(path: Path) -> str:
-    st = path.stat()
-    at = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if at not in _DIGESTS:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while block := f.read(1 << 24):
-                h.update(block)
-        _DIGESTS[at] = h.hexdigest()
-    return _DIGESTS[at]
-
-
 def _file_digests(paths: list[Path]) -> list:
     """(name, sha256) of each existing file: a part is redone when the weights it scored changed, and kept
     when they were only copied or re-saved unchanged (~1 s per GB, once per file per process)."""
-    return [[p.name, _digest(p)] for p in paths if p.is_file()]
+    return [[p.name, file_digest(p)] for p in paths if p.is_file()]
 
 
 def _config_digest(path: Path) -> str:

@@ -10,11 +10,11 @@ first two. An unknown name is a one-line error with its close matches and how to
 """
 
 import difflib
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from sparseforge.errors import SparseforgeError
+from sparseforge.files import file_digest
 from sparseforge.eval.task_specs import PREFIX, stock_names
 
 
@@ -86,10 +86,6 @@ def _with_close_matches(name: str, known: list[str]) -> str:
     return f"{name} (close: {', '.join(close)})" if close else name
 
 
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _local_files(data_files) -> list[Path]:
     """The existing local files named in a `dataset_kwargs.data_files` value (a path, a list, or split -> either)."""
     values = data_files.values() if isinstance(data_files, dict) else [data_files]
@@ -105,5 +101,5 @@ def task_source(manager, name: str) -> dict | None:
         return None
     cfg = entry.cfg if isinstance(entry.cfg, dict) else {}
     kwargs = cfg.get("dataset_kwargs") if isinstance(cfg.get("dataset_kwargs"), dict) else {}
-    data = [[str(p), _digest(p)] for p in _local_files(kwargs.get("data_files"))]
-    return {"yaml": _digest(Path(entry.yaml_path)), "data": data}
+    data = [[str(p), file_digest(p)] for p in _local_files(kwargs.get("data_files"))]
+    return {"yaml": file_digest(Path(entry.yaml_path)), "data": data}

@@ -9,6 +9,7 @@ Every loader of a checkpoint directory reads JSON through `read_json` and opens 
 instead of a library traceback. Imports stay light (no torch): the CLI's parsers and the pipeline use it too.
 """
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -120,3 +121,20 @@ class open_safetensors:
 
     def __exit__(self, *exc):
         return self._file.__exit__(*exc)
+
+
+_DIGESTS: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256: one hash per file per process
+
+
+def file_digest(path: str | Path) -> str:
+    """SHA-256 (hex) of a file's content, read once per process while its size and mtime stay the same: what keys a
+    result to the bytes it came from, so a copied or touched file keeps its results (~1 s per GB)."""
+    st = Path(path).stat()
+    at = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    if at not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 24):
+                h.update(block)
+        _DIGESTS[at] = h.hexdigest()
+    return _DIGESTS[at]

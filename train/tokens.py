@@ -12,7 +12,6 @@ process that finds it complete reads it. Reading a window is a slice of the memo
 no Python lists, nothing that can stall a device.
 """
 
-import functools
 import hashlib
 import json
 import os
@@ -25,6 +24,7 @@ import numpy as np
 from sparseforge.atomic import atomic_directory
 from sparseforge.data import data_root, document_tokens, expand
 from sparseforge.errors import SparseforgeError
+from sparseforge.files import file_digest
 
 TOKEN_STORE_VERSION = 1
 CACHE_ENV = "SPARSEFORGE_CACHE"
@@ -88,24 +88,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(f"{text}|eos={tokenizer.eos_token_id}".encode()).hexdigest()[:16]
 
 
-def _content_hash(path: Path) -> str:
-    stat = path.stat()
-    return _hash_file(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=None)
-def _hash_file(path: str, size: int, mtime_ns: int) -> str:
-    """The file's content hash, read once per process while its size and mtime stay the same (a run opens each store
-    several times)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()[:16]
-
-
 def _key(spec: SourceSpec, tokenizer, val_every: int, root: Path | None) -> dict:
-    files = [] if spec.hub else [[f.name, f.stat().st_size, _content_hash(f)] for f in _files(spec, root)]
+    files = [] if spec.hub else [[f.name, f.stat().st_size, file_digest(f)[:16]] for f in _files(spec, root)]
     source = {k: v for k, v in asdict(spec).items() if k not in ("name", "weight")}
     return {"tokenizer": tokenizer_fingerprint(tokenizer), "source": source, "val_every": val_every, "files": files}
 
