@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny import random_windows, tiny_model
 
 from sparseforge.errors import SparseforgeError
@@ -24,12 +25,14 @@ def test_layer_by_layer_stream_is_the_forward():
         torch.testing.assert_close(model.model.norm(stream), model.model(ids).last_hidden_state)
 
 
-def test_lsq_init_and_adam_lower_each_layers_error():
+@pytest.mark.parametrize("init", ["lsq", "split"])
+def test_the_init_and_adam_lower_each_layers_error(init):
     dense = tiny_model("llama", layers=2)
     ids = torch.tensor(random_windows(8, 32))
     for inputs in ("teacher", "student"):
         sparse = convert_model(copy.deepcopy(dense), "drelu")
-        stats = distill_layerwise(sparse, dense, ids, LayerwiseSettings(epochs=2, lr=1e-3, batch_tokens=64, inputs=inputs), progress=False)
+        settings = LayerwiseSettings(epochs=2, lr=1e-3, batch_tokens=64, inputs=inputs, init=init)
+        stats = distill_layerwise(sparse, dense, ids, settings, progress=False)
         assert all(s["rel_mse_init"] < s["rel_mse_before"] and s["rel_mse_after"] <= s["rel_mse_init"] * 1.01 for s in stats)
         assert all(0 <= s["flipped"] <= 128 for s in stats)
 
@@ -70,12 +73,13 @@ def test_the_errors_are_measured_on_strided_tokens_and_training_uses_all(monkeyp
     assert all(b["rel_mse_after"] < b["rel_mse_before"] for b in some)
 
 
-def test_lsq_init_gives_the_same_mlp_whether_or_not_it_keeps_the_pre_activations(monkeypatch):
+@pytest.mark.parametrize("init", ["lsq", "split"])
+def test_the_init_gives_the_same_mlp_whether_or_not_it_keeps_the_pre_activations(monkeypatch, init):
     import sparseforge.train.layerwise as layerwise
 
     dense = tiny_model("llama", layers=2)
     ids = torch.tensor(random_windows(8, 32))
-    settings = LayerwiseSettings(epochs=0, inputs="student")
+    settings = LayerwiseSettings(epochs=0, inputs="student", init=init)
     monkeypatch.setattr(layerwise, "_CHUNK", 48)  # 256 tokens in six chunks, the last one short
     kept, recomputed = convert_model(copy.deepcopy(dense), "drelu"), convert_model(copy.deepcopy(dense), "drelu")
     a = distill_layerwise(kept, dense, ids, settings, progress=False)
@@ -103,3 +107,28 @@ def test_stage_1_sets_each_layers_threshold_before_its_refit(epochs):
         assert s["rel_mse_init"] < s["rel_mse_before"]
     assert [a.threshold for a in mlp_activations(sparse)] == [s["threshold"] for s in stats]
     assert stats[1]["rel_mse_before"] != plain[1]["rel_mse_before"]  # layer 1 read the thresholded layer 0
+
+
+def test_split_init_keeps_the_strongest_halves_of_the_dense_neurons():
+    """Each sparse neuron is one (dense neuron, sign) half; the kept halves are those of largest output energy
+    ||relu(g) relu(+-u)||^2 ||d||^2 on the layer's inputs, a dense neuron may give both, and the refit still lowers
+    the error."""
+    dense = tiny_model("llama", layers=2)
+    ids = torch.tensor(random_windows(8, 32))
+    sparse = convert_model(copy.deepcopy(dense), "drelu")
+    stats = distill_layerwise(sparse, dense, ids, LayerwiseSettings(epochs=0, inputs="teacher", init="split"), progress=False)
+    with torch.no_grad():
+        x, _ = _attention_part(dense, 0, dense.model.embed_tokens(ids), batch=2)
+        x = x.reshape(-1, x.shape[-1])
+        t, s = dense.model.layers[0].mlp, sparse.model.layers[0].mlp
+        g, u = x @ t.gate_proj.weight.T, x @ t.up_proj.weight.T
+        dn = t.down_proj.weight.pow(2).sum(0)
+        energy = torch.cat([(F.relu(g) * F.relu(u)).pow(2).sum(0) * dn, (F.relu(g) * F.relu(-u)).pow(2).sum(0) * dn])
+    width = g.shape[1]
+    chosen = sorted(energy.topk(width).indices.tolist())
+    rows = [(k % width, 1.0 if k < width else -1.0) for k in chosen]
+    assert torch.equal(s.gate_proj.weight, t.gate_proj.weight[[k for k, _ in rows]])
+    assert torch.equal(s.up_proj.weight, t.up_proj.weight[[k for k, _ in rows]] * torch.tensor([sg for _, sg in rows])[:, None])
+    assert stats[0]["both_halves"] == width - len({k for k, _ in rows}) > 0
+    assert stats[0]["flipped"] == sum(sg < 0 for _, sg in rows)
+    assert all(r["rel_mse_init"] < r["rel_mse_before"] for r in stats)

@@ -9,7 +9,7 @@ token (the cost of one forward pass, whatever the number of layers). At layer l:
 2. the target: `target="mlp"` is the dense MLP's output on the same x, y = down(silu(gate(x)) * up(x));
    `target="stream"` (student inputs only) is what brings the student's stream back onto the dense model's,
    y = h_teacher(l+1) - r, so each MLP also corrects the error of the layers before it;
-3. `init="lsq"` first rebuilds the sparse MLP from the dense one (below); with `target_zeros` the layer's dReLU
+3. `init="lsq"` (or "split") first rebuilds the sparse MLP from the dense one (below); with `target_zeros` the layer's dReLU
    threshold is set for that fraction of exact zeros on x between the sign flip and the refit, so the refit,
    Adam and every later layer work with it in place (and set again after Adam, which moves the products); then
    Adam minimizes ||mlp(x) - y||^2 / ||y||^2 for `epochs` passes;
@@ -21,6 +21,9 @@ the other way, each neuron takes the sign of (up, down) that keeps more of its S
 is refit by ridge least squares on all tokens, shrunk towards the dense down:
     D = (Y^T H + lam D0) (H^T H + lam I)^-1,   H = act(gate(x), up(x)): [T, I],  Y: [T, hidden].
 Both steps are closed form; they alone take most layers' relative error from 0.3-0.8 to 0.05-0.6.
+`init="split"` chooses among all 2I (neuron, sign) candidates instead of one sign per neuron: the I whose output
+relu(g) * relu(+-u) * ||d|| carries the most energy on x, so a neuron whose output comes with both signs of up
+keeps both halves and the weakest neurons make room; the refit is the same.
 
 Only MLP weights change. Dense-MLP families only (MoE experts are left to end-to-end training).
 """
@@ -50,7 +53,7 @@ class LayerwiseSettings:
     batch_tokens: int = 512
     inputs: str = "teacher"  # teacher | student
     target: str = "mlp"  # mlp | stream (student inputs only)
-    init: str = "lsq"  # lsq | none
+    init: str = "split"  # lsq | split | none
     forward_batch: int = 4  # windows per layer forward
     target_zeros: float | None = None  # set each layer's dReLU threshold for this fraction of exact zeros before its refit
     seed: int = 0
@@ -97,36 +100,48 @@ def _apply(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _flip_signs(student_mlp, teacher_mlp, x: torch.Tensor) -> tuple[torch.Tensor, list | None]:
-    """Copy gate and up from the teacher, each neuron's up row with the sign that keeps more of its SwiGLU output on
-    x [T, H] (see the module docstring). Returns the signs [I] and, if they fit LSQ_CACHE_BYTES, each chunk's
-    student pre-activations (gate, up) for the refit (else None: it recomputes them)."""
-    wg, wu = teacher_mlp.gate_proj.weight, teacher_mlp.up_proj.weight  # [I, H]
+def _rebuild(student_mlp, teacher_mlp, x: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Tensor, list | None]:
+    """Rebuild gate and up from the teacher's (see the module docstring): each neuron reads one of the 2I candidates
+    (teacher neuron k, sign s), gate_k and s * up_k. split=False: every k once, with the sign that keeps more of its
+    SwiGLU output on x [T, H]; split=True: the I candidates of largest output energy, so a neuron whose output comes
+    with both signs of up can keep both halves. Returns source [I], sign [I] and, if they fit LSQ_CACHE_BYTES, each
+    chunk's student pre-activations (gate, up) for the refit (else None: it recomputes them)."""
+    wg, wu, wd = teacher_mlp.gate_proj.weight, teacher_mlp.up_proj.weight, teacher_mlp.down_proj.weight  # [I, H], [H, I]
     if any(getattr(m, "bias", None) is not None for m in (student_mlp.gate_proj, student_mlp.up_proj, student_mlp.down_proj)):
-        raise SparseforgeError("layerwise_init: lsq needs MLPs without biases; set layerwise_init: none")
+        raise SparseforgeError(f"layerwise_init: {'split' if split else 'lsq'} needs MLPs without biases; set layerwise_init: none")
     keep = torch.zeros(wg.shape[0], dtype=torch.float64, device=x.device)
     flip = torch.zeros_like(keep)
     pre = [] if 2 * len(x) * wg.shape[0] * x.element_size() <= LSQ_CACHE_BYTES else None
     for i in range(0, len(x), _CHUNK):
         g, u = x[i : i + _CHUNK] @ wg.T, x[i : i + _CHUNK] @ wu.T  # [t, I]
-        s = F.silu(g) * u
-        keep += (s - F.relu(g) * F.relu(u)).pow(2).sum(0, dtype=torch.float64)
-        flip += (s + F.relu(g) * F.relu(-u)).pow(2).sum(0, dtype=torch.float64)
+        if split:  # each half's output energy
+            keep += (F.relu(g) * F.relu(u)).pow(2).sum(0, dtype=torch.float64)
+            flip += (F.relu(g) * F.relu(-u)).pow(2).sum(0, dtype=torch.float64)
+        else:  # each half's error against the SwiGLU output
+            s = F.silu(g) * u
+            keep += (s - F.relu(g) * F.relu(u)).pow(2).sum(0, dtype=torch.float64)
+            flip += (s + F.relu(g) * F.relu(-u)).pow(2).sum(0, dtype=torch.float64)
+            del s
         if pre is not None:
             pre.append((g, u))
-        del s
-    sign = torch.where(flip < keep, -1.0, 1.0).to(wu.dtype)  # [I]
-    student_mlp.gate_proj.weight.copy_(wg)
-    student_mlp.up_proj.weight.copy_(wu * sign[:, None])
-    for g, u in pre or ():
-        u.mul_(sign)  # the student's up
-    return sign, pre
+    width = wg.shape[0]
+    if split:
+        energy = torch.cat([keep, flip]) * wd.double().pow(2).sum(0).repeat(2)  # [2I] through down
+        chosen = energy.topk(width).indices.sort().values
+        source, sign = chosen % width, torch.where(chosen < width, 1.0, -1.0).to(wu.dtype)
+    else:
+        source, sign = torch.arange(width, device=x.device), torch.where(flip < keep, -1.0, 1.0).to(wu.dtype)
+    student_mlp.gate_proj.weight.copy_(wg[source])
+    student_mlp.up_proj.weight.copy_(wu[source] * sign[:, None])
+    for k, (g, u) in enumerate(pre or ()):  # the student's pre-activations
+        pre[k] = (g, u.mul_(sign)) if not split else (g[:, source], u[:, source].mul_(sign))
+    return source, sign, pre
 
 
 @torch.no_grad()
 def _refit_down(student_mlp, x: torch.Tensor, y: torch.Tensor, d0: torch.Tensor, pre: list | None) -> None:
     """down by ridge least squares on all tokens, shrunk towards d0 [H, I], through the student's activation (with
-    its threshold): see the module docstring. pre: _flip_signs' pre-activations, consumed."""
+    its threshold): see the module docstring. pre: _rebuild's pre-activations, consumed."""
     width = d0.shape[1]
     hth = torch.zeros(width, width, dtype=torch.float64, device=x.device)
     yth = torch.zeros(d0.shape[0], width, dtype=torch.float64, device=x.device)
@@ -199,9 +214,9 @@ def distill_layerwise(student, teacher, windows: torch.Tensor, settings: Layerwi
     s = settings
     if hasattr(student.model.layers[0].mlp, "experts"):
         raise SparseforgeError("layer-wise distillation supports dense-MLP models; for MoE set layerwise_tokens: 0")
-    if s.inputs not in ("teacher", "student") or s.init not in ("lsq", "none") or s.target not in ("mlp", "stream"):
+    if s.inputs not in ("teacher", "student") or s.init not in ("lsq", "split", "none") or s.target not in ("mlp", "stream"):
         raise SparseforgeError(f"layer-wise settings inputs={s.inputs!r} init={s.init!r} target={s.target!r}; "
-                               "use inputs teacher|student, init lsq|none, target mlp|stream")
+                               "use inputs teacher|student, init lsq|split|none, target mlp|stream")
     if s.target == "stream" and s.inputs != "student":
         raise SparseforgeError("layerwise_target: stream needs layerwise_inputs: student (with teacher inputs it is the mlp target)")
     was_training = student.training
@@ -226,12 +241,13 @@ def distill_layerwise(student, teacher, windows: torch.Tensor, settings: Layerwi
         probe = slice(None, None, -(-len(x) // DIAG_TOKENS))  # the diagnostics' tokens (training uses all of them)
         xp, yp = x[probe], y[probe]
         row = {"layer": l, "rel_mse_before": _rel_mse(mlp, xp, yp)}
-        sign, pre = _flip_signs(mlp, teacher_mlp, x) if s.init == "lsq" else (None, None)
+        picked, sign, pre = _rebuild(mlp, teacher_mlp, x, s.init == "split") if s.init != "none" else (None, None, None)
         if s.target_zeros is not None:
             row.update(_set_threshold(mlp, x, s.target_zeros))
-        if s.init == "lsq":
-            _refit_down(mlp, x, y, teacher_mlp.down_proj.weight * sign[None, :], pre)
+        if s.init != "none":
+            _refit_down(mlp, x, y, teacher_mlp.down_proj.weight[:, picked] * sign[None, :], pre)
             row["flipped"] = int((sign < 0).sum())
+            row["both_halves"] = int(len(picked) - picked.unique().numel())  # teacher neurons read with both signs
             row["rel_mse_init"] = _rel_mse(mlp, xp, yp)
         del pre
         if s.epochs:

@@ -64,7 +64,7 @@ class Recipe:
     layerwise_batch_tokens: int = 1024  # tokens per layer-wise optimizer step
     layerwise_inputs: str = "teacher"  # teacher: MLP inputs from the dense model; student: from already-distilled layers
     layerwise_target: str = "mlp"  # mlp: the dense MLP's output; stream: the dense model's stream minus the student's (student inputs)
-    layerwise_init: str = "lsq"  # lsq: per-neuron sign of (up, down), then down by least squares, before Adam; none: as converted
+    layerwise_init: str = "split"  # lsq: per-neuron sign of (up, down), then down by least squares, before Adam; split: the I strongest of the 2I (neuron, sign) halves, then the same refit; none: as converted
     target_zeros: float | None = None  # dReLU thresholds set before end-to-end training for this fraction of exact zeros per layer, kept while training (null: none)
     layerwise_thresholds: bool = False  # true: stage 1 sets each layer's target_zeros threshold before refitting it; false: calibrated after stage 1
     device: str = "auto"  # auto: accelerate's choice; cpu forces CPU
@@ -160,8 +160,8 @@ def validate(recipe: Recipe) -> Recipe:
         raise SparseforgeError(f"recipe key 'layerwise_target' is {r.layerwise_target!r}; use mlp or stream")
     if r.layerwise_target == "stream" and r.layerwise_inputs != "student":
         raise SparseforgeError("recipe key 'layerwise_target' is stream but 'layerwise_inputs' is teacher; set layerwise_inputs: student")
-    if r.layerwise_init not in ("lsq", "none"):
-        raise SparseforgeError(f"recipe key 'layerwise_init' is {r.layerwise_init!r}; use lsq or none")
+    if r.layerwise_init not in ("lsq", "split", "none"):
+        raise SparseforgeError(f"recipe key 'layerwise_init' is {r.layerwise_init!r}; use lsq, split or none")
     if r.max_steps and r.warmup_steps > r.max_steps:
         raise SparseforgeError(f"warmup_steps ({r.warmup_steps}) exceeds max_steps ({r.max_steps}); lower warmup_steps")
     if r.target_zeros is not None and not 0 < r.target_zeros < 1:
