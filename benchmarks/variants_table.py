@@ -16,18 +16,15 @@ results JSON keeps each row's sources whole.
 """
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
-
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, environment, markdown_table, write_results  # noqa: E402
 
 from sparseforge.errors import SparseforgeError  # noqa: E402
-from sparseforge.train.recipe import Recipe  # noqa: E402
+from sparseforge.train.recipe import load_recipe  # noqa: E402
 
 
 def _read(path: Path) -> str:
@@ -38,8 +35,7 @@ def _read(path: Path) -> str:
 
 def load_row(name: str, run: Path, ev: Path) -> dict:
     """One row's sources: the recipe, the last validation loss, the scorecard's predictors eval, the eval."""
-    defaults = {f.name: f.default for f in dataclasses.fields(Recipe) if f.default is not dataclasses.MISSING}
-    recipe = {**defaults, **yaml.safe_load(_read(run / "recipe.yaml"))}  # a key newer than the run: its default
+    recipe = load_recipe(run / "recipe.yaml").to_dict()  # a key newer than the run: its default
     val = [r for r in map(json.loads, _read(run / "metrics.jsonl").splitlines()) if "val_loss" in r and "reference" not in r]
     card = json.loads(_read(run / "checkpoint" / "scorecard.json"))
     exact = ((card.get("predictors") or {}).get("eval") or {}).get("oracle") or {}

@@ -10,7 +10,7 @@ token (the cost of one forward pass, whatever the number of layers). At layer l:
    `target="stream"` (student inputs only) is what brings the student's stream back onto the dense model's,
    y = h_teacher(l+1) - r, so each MLP also corrects the error of the layers before it;
 3. `init="lsq"` (or "split") first rebuilds the sparse MLP from the dense one (below); with `target_zeros` the layer's dReLU
-   threshold is set for that fraction of exact zeros on x between the sign flip and the refit, so the refit,
+   threshold is set for that fraction of exact zeros on x between the rebuild and the refit, so the refit,
    Adam and every later layer work with it in place (and set again after Adam, which moves the products); then
    Adam minimizes ||mlp(x) - y||^2 / ||y||^2 for `epochs` passes;
 4. the student stream moves on: h = r + mlp(x).
@@ -109,28 +109,28 @@ def _rebuild(student_mlp, teacher_mlp, x: torch.Tensor, split: bool) -> tuple[to
     wg, wu, wd = teacher_mlp.gate_proj.weight, teacher_mlp.up_proj.weight, teacher_mlp.down_proj.weight  # [I, H], [H, I]
     if any(getattr(m, "bias", None) is not None for m in (student_mlp.gate_proj, student_mlp.up_proj, student_mlp.down_proj)):
         raise SparseforgeError(f"layerwise_init: {'split' if split else 'lsq'} needs MLPs without biases; set layerwise_init: none")
-    keep = torch.zeros(wg.shape[0], dtype=torch.float64, device=x.device)
-    flip = torch.zeros_like(keep)
+    plus = torch.zeros(wg.shape[0], dtype=torch.float64, device=x.device)  # per neuron, its +up and -up halves' score
+    minus = torch.zeros_like(plus)
     pre = [] if 2 * len(x) * wg.shape[0] * x.element_size() <= LSQ_CACHE_BYTES else None
     for i in range(0, len(x), _CHUNK):
         g, u = x[i : i + _CHUNK] @ wg.T, x[i : i + _CHUNK] @ wu.T  # [t, I]
-        if split:  # each half's output energy
-            keep += (F.relu(g) * F.relu(u)).pow(2).sum(0, dtype=torch.float64)
-            flip += (F.relu(g) * F.relu(-u)).pow(2).sum(0, dtype=torch.float64)
-        else:  # each half's error against the SwiGLU output
+        if split:  # output energy (more is better)
+            plus += (F.relu(g) * F.relu(u)).pow(2).sum(0, dtype=torch.float64)
+            minus += (F.relu(g) * F.relu(-u)).pow(2).sum(0, dtype=torch.float64)
+        else:  # error against the SwiGLU output (less is better)
             s = F.silu(g) * u
-            keep += (s - F.relu(g) * F.relu(u)).pow(2).sum(0, dtype=torch.float64)
-            flip += (s + F.relu(g) * F.relu(-u)).pow(2).sum(0, dtype=torch.float64)
+            plus += (s - F.relu(g) * F.relu(u)).pow(2).sum(0, dtype=torch.float64)
+            minus += (s + F.relu(g) * F.relu(-u)).pow(2).sum(0, dtype=torch.float64)
             del s
         if pre is not None:
             pre.append((g, u))
     width = wg.shape[0]
     if split:
-        energy = torch.cat([keep, flip]) * wd.double().pow(2).sum(0).repeat(2)  # [2I] through down
+        energy = torch.cat([plus, minus]) * wd.double().pow(2).sum(0).repeat(2)  # [2I] through down
         chosen = energy.topk(width).indices.sort().values
         source, sign = chosen % width, torch.where(chosen < width, 1.0, -1.0).to(wu.dtype)
     else:
-        source, sign = torch.arange(width, device=x.device), torch.where(flip < keep, -1.0, 1.0).to(wu.dtype)
+        source, sign = torch.arange(width, device=x.device), torch.where(minus < plus, -1.0, 1.0).to(wu.dtype)
     student_mlp.gate_proj.weight.copy_(wg[source])
     student_mlp.up_proj.weight.copy_(wu[source] * sign[:, None])
     for k, (g, u) in enumerate(pre or ()):  # the student's pre-activations
