@@ -10,9 +10,12 @@ other can be told apart.
         --row split runs/qs-split runs/cmp/qs-split
 
 Nothing is measured here: every cell comes from files the runs wrote. RUN/recipe.yaml gives the settings that differ
-between rows, RUN/metrics.jsonl the final validation loss, RUN/checkpoint/scorecard.json the held-out perplexity and
-MLP zeros with exact masks (`sparseforge predictors eval`), EVAL/eval.json the accuracy of its `oracle` row. The
-results JSON keeps each row's sources whole.
+between rows, RUN/metrics.jsonl the final validation loss and the MLP zeros of the last training step, RUN/pipeline.json
+the training time, RUN/checkpoint/scorecard.json (when the run went that far) the held-out perplexity and MLP zeros with
+exact masks (`sparseforge predictors eval`), EVAL/eval.json the metrics of its `oracle` row (EVAL may be several copies
+scored at different limits, e.g. wikitext on fewer documents). When the first row's evaluations also scored the dense
+original (`--configs original,oracle`), the original is the first row, with the teacher's validation loss. The results
+JSON keeps each row's sources whole.
 """
 
 import argparse
@@ -33,62 +36,88 @@ def _read(path: Path) -> str:
     return path.read_text()
 
 
-def load_row(name: str, run: Path, ev: Path) -> dict:
-    """One row's sources: the recipe, the last validation loss, the scorecard's predictors eval, the eval."""
+def load_row(name: str, run: Path, evs: list[Path]) -> dict:
+    """One row's sources: the recipe, the last validation loss, the scorecard's predictors eval, the evals."""
     recipe = load_recipe(run / "recipe.yaml").to_dict()  # a key newer than the run: its default
-    val = [r for r in map(json.loads, _read(run / "metrics.jsonl").splitlines()) if "val_loss" in r and "reference" not in r]
-    card = json.loads(_read(run / "checkpoint" / "scorecard.json"))
+    metrics = [json.loads(line) for line in _read(run / "metrics.jsonl").splitlines()]
+    val = [r for r in metrics if "val_loss" in r and "reference" not in r]
+    teacher = [r["val_loss"] for r in metrics if r.get("reference") == "dense teacher"]
+    steps = [r for r in metrics if "mlp_zero_fraction" in r]
+    card_path, pipeline_path = run / "checkpoint" / "scorecard.json", run / "pipeline.json"
+    card = json.loads(card_path.read_text()) if card_path.is_file() else {}
     exact = ((card.get("predictors") or {}).get("eval") or {}).get("oracle") or {}
-    evaluation = json.loads(_read(ev / "eval.json"))
-    if "oracle" not in evaluation.get("configs", {}):
-        raise SparseforgeError(f"{ev / 'eval.json'} has no oracle row; score it with `sparseforge eval {ev} --configs oracle`")
-    return {"name": name, "run": str(run), "eval": str(ev), "recipe": recipe, "val_loss": val[-1]["val_loss"] if val else None,
-            "exact_mask": exact, "evaluation": evaluation}
+    train = (json.loads(pipeline_path.read_text())["stages"].get("train") or {}) if pipeline_path.is_file() else {}
+    evaluations = [json.loads(_read(ev / "eval.json")) for ev in evs]
+    for ev, evaluation in zip(evs, evaluations):
+        if "oracle" not in evaluation.get("configs", {}):
+            raise SparseforgeError(f"{ev / 'eval.json'} has no oracle row; score it with `sparseforge eval {ev} --configs oracle`")
+    return {"name": name, "run": str(run), "evals": [str(ev) for ev in evs], "recipe": recipe, "val_loss": val[-1]["val_loss"] if val else None,
+            "teacher_val_loss": teacher[0] if teacher else None, "train_seconds": train.get("seconds"),
+            "train_zeros": steps[-1]["mlp_zero_fraction"] if steps else None, "exact_mask": exact, "evaluations": evaluations}
+
+
+def _losses(val: dict | None) -> str | None:
+    if not val:
+        return None
+    order = [s for s in ("web", "code", "math") if s in val] + sorted(set(val) - {"web", "code", "math"})
+    return "/".join(f"{val[s]:.3f}" for s in order)
+
+
+def _metrics(evaluations: list[dict], config: str) -> dict:
+    """{i:task:metric: value} of one configuration over eval.json files (i: the file's index), and under "mean" the mean of their averaged
+    metrics (each task's first accuracy metric, as `sparseforge eval` averages)."""
+    cells = {f"{i}:{t['task']}:{t['metric']}": t["values"][config]["value"]
+             for i, e in enumerate(evaluations) for t in e["rows"] if config in t["values"]}
+    averaged = [cells.get(f"{i}:{m}") for i, e in enumerate(evaluations) for m in (e.get("average") or {}).get("metrics", [])]
+    return {**cells, "mean": sum(averaged) / len(averaged) if averaged and None not in averaged else None}
 
 
 def table_rows(rows: list[dict]) -> tuple[list[dict], list[tuple[str, str, str]]]:
-    """Formatted cells and columns: settings that differ, validation loss, perplexity, zeros, accuracy per task, mean."""
+    """Formatted cells and columns: settings that differ, validation loss, training time and zeros, held-out perplexity
+    and zeros, each metric of the evaluations (accuracies, their mean, perplexities); the original first if scored."""
     keys = sorted({k for r in rows for k in r["recipe"]} - {"output_dir", "model", "teacher", "stages"})
     differ = [k for k in keys if len({json.dumps(r["recipe"].get(k), sort_keys=True) for r in rows}) > 1]
-    tasks = [(t["task"], t["metric"]) for t in rows[0]["evaluation"]["rows"] if t["mean"]]
+    first = rows[0]["evaluations"]
+    accuracy = [(f"{i}:{t['task']}:{t['metric']}", t["task"], t["metric"], t["n"]) for i, e in enumerate(first) for t in e["rows"] if t["mean"]]
+    other = [(f"{i}:{t['task']}:{t['metric']}", t["task"], t["metric"], t["n"]) for i, e in enumerate(first) for t in e["rows"] if not t["mean"]]
     out = []
+    if all("original" in e.get("configs", {}) for e in first):
+        out.append({"name": "original", "settings": "dense", "val": _losses(rows[0]["teacher_val_loss"]), **_metrics(first, "original")})
     for r in rows:
-        cells = {"name": r["name"], "settings": " ".join(f"{k}={r['recipe'].get(k)}" for k in differ)}
-        if r["val_loss"]:
-            order = [s for s in ("web", "code", "math") if s in r["val_loss"]] + sorted(set(r["val_loss"]) - {"web", "code", "math"})
-            cells["val"] = "/".join(f"{r['val_loss'][s]:.3f}" for s in order)
-        cells["ppl"], cells["zeros"] = r["exact_mask"].get("perplexity"), r["exact_mask"].get("mean_zero_fraction")
-        values = {(t["task"], t["metric"]): t["values"]["oracle"]["value"] for t in r["evaluation"]["rows"]}
-        for task, metric in tasks:
-            cells[f"{task}:{metric}"] = values.get((task, metric))
-        cells["mean"] = r["evaluation"]["average"]["values"].get("oracle")
-        out.append(cells)
-    limit = rows[0]["evaluation"].get("limit")
+        cells = {"name": r["name"], "settings": " ".join(f"{k}={r['recipe'].get(k)}" for k in differ), "val": _losses(r["val_loss"]),
+                 "train_min": r["train_seconds"] / 60 if r["train_seconds"] else None, "train_zeros": r["train_zeros"],
+                 "ppl": r["exact_mask"].get("perplexity"), "zeros": r["exact_mask"].get("mean_zero_fraction")}
+        out.append({**cells, **_metrics(r["evaluations"], "oracle")})
     columns = [("name", "variant", ""), ("settings", "settings", ""), ("val", "val loss web/code/math", ""),
+               ("train_min", "train min", ".1f"), ("train_zeros", "MLP zeros (last step)", ".1%"),
                ("ppl", "held-out perplexity", ".2f"), ("zeros", "MLP zeros", ".1%")]
-    columns += [(f"{t}:{m}", f"{t.removeprefix('sf_')} {m} (n={limit})", ".3f") for t, m in tasks] + [("mean", "mean", ".3f")]
+    columns += [(k, f"{t.removeprefix('sf_')} {m} (n={n})", ".3f") for k, t, m, n in accuracy] + [("mean", "mean", ".3f")]
+    columns += [(k, f"{t.removeprefix('sf_')} {m} (n={n})", ".2f") for k, t, m, n in other]  # perplexities
     return out, columns
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--row", nargs=3, action="append", required=True, metavar=("NAME", "RUN", "EVAL"),
-                   help="a variant: its name, its `sparseforge run` output_dir, and the checkpoint copy `sparseforge eval` scored")
+                   help="a variant: its name, its `sparseforge run` output_dir, and the checkpoint copy `sparseforge eval` "
+                        "scored (comma-separated copies for evaluations at different limits, their metrics side by side)")
     p.add_argument("--out", required=True, help="results name: writes benchmarks/results/NAME.{json,md}")
     args = p.parse_args(argv)
     try:
-        rows = [load_row(n, Path(run), Path(ev)) for n, run, ev in args.row]
+        rows = [load_row(n, Path(run), [Path(e) for e in ev.split(",")]) for n, run, ev in args.row]
     except SparseforgeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tasks = {json.dumps(r["evaluation"]["tasks"]) + str(r["evaluation"].get("limit")) for r in rows}
+    tasks = {json.dumps([[e["tasks"], e.get("limit")] for e in r["evaluations"]]) for r in rows}
     if len(tasks) > 1:
         print(f"error: the rows were scored on different tasks or limits ({', '.join(sorted(tasks))}); score them alike", file=sys.stderr)
         return 2
     cells, columns = table_rows(rows)
     table = markdown_table(cells, columns)
-    notes = ("Accuracy: exact masks (the `oracle` row of `sparseforge eval --backend hf`), the same documents for every "
-             "variant; perplexity and zeros: `sparseforge predictors eval` with the exact mask, on the same held-out tokens.")
+    notes = ("Accuracy and the evaluation's perplexities: exact masks (the `oracle` row of `sparseforge eval --backend hf`), "
+             "the same documents for every variant (and the dense original, when scored); held-out perplexity and MLP zeros: "
+             "`sparseforge predictors eval` with the exact mask, on the same held-out tokens; MLP zeros (last step): the last "
+             "training step's batch.")
     data = {"command": "python " + " ".join(["benchmarks/variants_table.py", *(argv if argv is not None else sys.argv[1:])]),
             "environment": environment(1), "rows": rows}
     write_results(args.out, data, table + "\n\n" + notes, RESULTS)

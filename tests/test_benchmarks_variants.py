@@ -8,7 +8,7 @@ from scripts import load_script
 variants = load_script("variants_table")
 
 
-def _run(tmp_path, name, init, ppl, accs, limit=400):
+def _run(tmp_path, name, init, ppl, accs, limit=400, original=None, card=True):
     run, ev = tmp_path / name, tmp_path / "cmp" / name
     (run / "checkpoint").mkdir(parents=True)
     ev.mkdir(parents=True)
@@ -17,12 +17,18 @@ def _run(tmp_path, name, init, ppl, accs, limit=400):
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
         {"step": 0, "reference": "dense teacher", "val_loss": {"web": 3.0, "code": 2.0, "math": 1.5}},
         {"step": 0, "val_loss": {"web": 9.0, "code": 9.0, "math": 9.0}},
+        {"step": 4, "loss": 2.0, "mlp_zero_fraction": 0.86},
         {"step": 4, "val_loss": {"math": 2.5, "web": 4.5, "code": 3.5}}]) + "\n")
-    (run / "checkpoint" / "scorecard.json").write_text(json.dumps({"predictors": {"eval": {"oracle": {"perplexity": ppl, "mean_zero_fraction": 0.85}}}}))
-    rows = [{"task": t, "metric": "acc", "n": limit, "mean": True, "values": {"oracle": {"value": a, "stderr": 0.02}}, "deltas": {}}
-            for t, a in accs.items()]
-    average = {"metrics": [f"{t}:acc" for t in accs], "values": {"oracle": sum(accs.values()) / len(accs)}}
-    (ev / "eval.json").write_text(json.dumps({"format_version": 1, "tasks": list(accs), "limit": limit, "configs": {"oracle": {}},
+    (run / "pipeline.json").write_text(json.dumps({"format_version": 1, "stages": {"train": {"seconds": 600.0}}}))
+    if card:
+        (run / "checkpoint" / "scorecard.json").write_text(json.dumps({"predictors": {"eval": {"oracle": {"perplexity": ppl, "mean_zero_fraction": 0.85}}}}))
+    configs = {"oracle": accs} | ({"original": original} if original else {})
+    rows = [{"task": t, "metric": "acc", "n": limit, "mean": True, "values": {c: {"value": v[t], "stderr": 0.02} for c, v in configs.items()},
+             "deltas": {}} for t in accs]
+    rows.append({"task": "sf_wikitext", "metric": "word_perplexity", "n": limit, "mean": False,
+                 "values": {c: {"value": 30.0 if c == "original" else 50.0, "stderr": None} for c in configs}, "deltas": {}})
+    average = {"metrics": [f"{t}:acc" for t in accs], "values": {c: sum(v.values()) / len(v) for c, v in configs.items()}}
+    (ev / "eval.json").write_text(json.dumps({"format_version": 1, "tasks": list(accs), "limit": limit, "configs": {c: {} for c in configs},
                                               "rows": rows, "average": average}))
     return str(run), str(ev)
 
@@ -33,8 +39,9 @@ def test_rows_show_the_settings_that_differ_and_the_runs_numbers(tmp_path, monke
     b = _run(tmp_path, "b", "split", 24.74, {"sf_piqa": 0.6, "sf_arc_easy": 0.3})
     assert variants.main(["--out", "v", "--row", "lsq", *a, "--row", "split", *b]) == 0
     md = (tmp_path / "results" / "v.md").read_text()
-    assert "| lsq | layerwise_init=lsq | 4.500/3.500/2.500 | 28.27 | 85.0% | 0.500 | 0.400 | 0.450 |" in md
-    assert "| split | layerwise_init=split | 4.500/3.500/2.500 | 24.74 | 85.0% | 0.600 | 0.300 | 0.450 |" in md
+    assert "| lsq | layerwise_init=lsq | 4.500/3.500/2.500 | 10.0 | 86.0% | 28.27 | 85.0% | 0.500 | 0.400 | 0.450 | 50.00 |" in md
+    assert "| split | layerwise_init=split | 4.500/3.500/2.500 | 10.0 | 86.0% | 24.74 | 85.0% | 0.600 | 0.300 | 0.450 | 50.00 |" in md
+    assert "| original |" not in md and "wikitext word_perplexity (n=400) |" in md
     assert "piqa acc (n=400)" in md and "lr=" not in md
     data = json.loads((tmp_path / "results" / "v.json").read_text())
     assert [r["recipe"]["layerwise_init"] for r in data["rows"]] == ["lsq", "split"]
@@ -51,3 +58,19 @@ def test_rows_scored_differently_or_missing_files_are_refused(tmp_path, monkeypa
     err = capsys.readouterr().err
     assert "nope/recipe.yaml" in err and "does not exist" in err
     assert not (tmp_path / "results").exists()
+
+
+def test_the_original_scored_beside_is_the_first_row_and_a_run_without_scorecard_has_no_perplexity(tmp_path, monkeypatch):
+    monkeypatch.setattr(variants, "RESULTS", tmp_path / "results")
+    run, ev = _run(tmp_path, "a", "split", None, {"sf_piqa": 0.5, "sf_boolq": 0.6}, original={"sf_piqa": 0.7, "sf_boolq": 0.8}, card=False)
+    wt = tmp_path / "cmp" / "a-wikitext"  # a second evaluation of the same checkpoint, at its own limit
+    wt.mkdir()
+    (wt / "eval.json").write_text(json.dumps({"format_version": 1, "tasks": ["sf_wikitext"], "limit": 10, "configs": {"original": {}, "oracle": {}},
+                                              "rows": [{"task": "sf_wikitext", "metric": "word_perplexity", "n": 10, "mean": False,
+                                                        "values": {"original": {"value": 33.0}, "oracle": {"value": 66.0}}}],
+                                              "average": {"metrics": [], "values": {}}}))
+    assert variants.main(["--out", "v", "--row", "cpu-full", run, f"{ev},{wt}"]) == 0
+    lines = (tmp_path / "results" / "v.md").read_text().splitlines()
+    assert lines[0].endswith("| piqa acc (n=400) | boolq acc (n=400) | mean | wikitext word_perplexity (n=400) | wikitext word_perplexity (n=10) |")
+    assert lines[2] == "| original | dense | 3.000/2.000/1.500 | — | — | — | — | 0.700 | 0.800 | 0.750 | 30.00 | 33.00 |"
+    assert lines[3] == "| cpu-full |  | 4.500/3.500/2.500 | 10.0 | 86.0% | — | — | 0.500 | 0.600 | 0.550 | 50.00 | 66.00 |"

@@ -132,3 +132,21 @@ def test_split_init_keeps_the_strongest_halves_of_the_dense_neurons():
     assert stats[0]["both_halves"] == width - len({k for k, _ in rows}) > 0
     assert stats[0]["flipped"] == sum(sg < 0 for _, sg in rows)
     assert all(r["rel_mse_init"] < r["rel_mse_before"] for r in stats)
+
+
+def test_the_refit_ridge_pulls_down_from_least_squares_towards_the_dense_halves():
+    """A large ridge keeps the dense down of the kept (neuron, sign) halves; a small one fits the tokens better."""
+    dense = tiny_model("llama", layers=1)
+    ids = torch.tensor(random_windows(8, 32))
+    fits = {}
+    for ridge in (1e-3, 1e6):
+        sparse = convert_model(copy.deepcopy(dense), "drelu")
+        stats = distill_layerwise(sparse, dense, ids, LayerwiseSettings(epochs=0, inputs="teacher", init="split", ridge=ridge), progress=False)
+        fits[ridge] = sparse.model.layers[0].mlp, stats[0]["rel_mse_init"]
+    t, (s, _) = dense.model.layers[0].mlp, fits[1e6]
+    picked = [int((t.gate_proj.weight == row).all(1).nonzero()[0]) for row in s.gate_proj.weight]
+    sign = (s.up_proj.weight * t.up_proj.weight[picked]).sum(1).sign()
+    d0 = t.down_proj.weight[:, picked] * sign
+    torch.testing.assert_close(s.down_proj.weight, d0, rtol=0, atol=1e-4 * d0.abs().max().item())
+    assert not torch.allclose(fits[1e-3][0].down_proj.weight, d0, atol=1e-2 * d0.abs().max().item())
+    assert fits[1e-3][1] < fits[1e6][1]

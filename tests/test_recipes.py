@@ -56,6 +56,7 @@ BASE = {"model": "m", "output_dir": "o", "sources": {"web": {"path": "x/*.jsonl"
         ({"max_steps": "ten"}, "'max_steps' must be int, got 'ten'"),
         ({"max_steps": -1}, "'max_steps' must be >= 0, got -1"),
         ({"lr": -1.0}, "'lr' must be > 0"),
+        ({"layerwise_ridge": 0.0}, "'layerwise_ridge' must be > 0, got 0.0"),
         ({"activation": "gelu"}, "'activation' is 'gelu'"),
         ({"mixed_precision": "fp8"}, "'mixed_precision' is 'fp8'"),
         ({"warmup_steps": 500, "max_steps": 10}, "warmup_steps \\(500\\) exceeds max_steps \\(10\\)"),

@@ -64,6 +64,7 @@ class Recipe:
     layerwise_batch_tokens: int = 1024  # tokens per layer-wise optimizer step
     layerwise_inputs: str = "teacher"  # teacher: MLP inputs from the dense model; student: from already-distilled layers
     layerwise_target: str = "mlp"  # mlp: the dense MLP's output; stream: the dense model's stream minus the student's (student inputs)
+    layerwise_ridge: float = 1e-3  # the init's refit of down: ridge towards the dense down, a fraction of the mean diagonal of H^T H
     layerwise_init: str = "split"  # lsq: per-neuron sign of (up, down), then down by least squares, before Adam; split: the I strongest of the 2I (neuron, sign) halves, then the same refit; none: as converted
     target_zeros: float | None = None  # dReLU thresholds set before end-to-end training for this fraction of exact zeros per layer, kept while training (null: none)
     layerwise_thresholds: bool = False  # true: stage 1 sets each layer's target_zeros threshold before refitting it; false: calibrated after stage 1
@@ -141,7 +142,7 @@ def validate(recipe: Recipe) -> Recipe:
     for key in ("max_steps", "warmup_steps", "save_every", "eval_every", "val_tokens", "l1_ramp_steps", "swap_steps", "layerwise_tokens"):
         if getattr(r, key) < 0:
             raise SparseforgeError(f"recipe key {key!r} must be >= 0, got {getattr(r, key)}")
-    for key in ("lr", "layerwise_lr", "distill_temperature"):
+    for key in ("lr", "layerwise_lr", "layerwise_ridge", "distill_temperature"):
         if getattr(r, key) <= 0:
             raise SparseforgeError(f"recipe key {key!r} must be > 0, got {getattr(r, key)}")
     if not 0 <= r.min_lr_ratio <= 1:
