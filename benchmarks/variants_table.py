@@ -12,8 +12,8 @@ other can be told apart.
 Nothing is measured here: every cell comes from files the runs wrote. RUN/recipe.yaml gives the settings that differ
 between rows, RUN/metrics.jsonl the final validation loss and the MLP zeros of the last training step, RUN/pipeline.json
 the training time, RUN/checkpoint/scorecard.json (when the run went that far) the held-out perplexity and MLP zeros with
-exact masks (`sparseforge predictors eval`), EVAL/eval.json the metrics of its `oracle` row (EVAL may be several copies
-scored at different limits, e.g. wikitext on fewer documents). When the first row's evaluations also scored the dense
+exact masks (`sparseforge predictors eval`), EVAL/eval.json the metrics of its `oracle` row (one task at its own count: `--limit 150,wikitext=10`;
+EVAL may also be several comma-separated copies, their metrics side by side). When the first row's evaluations also scored the dense
 original (`--configs original,oracle`), the original is the first row, with the teacher's validation loss. The results
 JSON keeps each row's sources whole.
 """
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--row", nargs=3, action="append", required=True, metavar=("NAME", "RUN", "EVAL"),
                    help="a variant: its name, its `sparseforge run` output_dir, and the checkpoint copy `sparseforge eval` "
-                        "scored (comma-separated copies for evaluations at different limits, their metrics side by side)")
+                        "scored (comma-separated copies: their metrics side by side)")
     p.add_argument("--out", required=True, help="results name: writes benchmarks/results/NAME.{json,md}")
     args = p.parse_args(argv)
     try:
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     except SparseforgeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tasks = {json.dumps([[e["tasks"], e.get("limit")] for e in r["evaluations"]]) for r in rows}
+    tasks = {json.dumps([e.get("limits") or dict.fromkeys(e["tasks"], e.get("limit")) for e in r["evaluations"]]) for r in rows}
     if len(tasks) > 1:
         print(f"error: the rows were scored on different tasks or limits ({', '.join(sorted(tasks))}); score them alike", file=sys.stderr)
         return 2

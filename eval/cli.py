@@ -67,7 +67,9 @@ def _register_eval(subparsers) -> None:
     p.add_argument("--include-path", action="append", default=None, metavar="DIR",
                    help="a folder of your own lm-eval task YAMLs, as lm_eval --include_path (repeatable); data read from local "
                    "files (dataset_path: json, dataset_kwargs: {data_files: ...}) need no network")  # fmt: skip
-    p.add_argument("--limit", type=int, default=None, help="score only the first N documents of each task (default: all)")
+    p.add_argument("--limit", action="append", default=None, metavar="[TASK=]N",
+                   help="score only the first N documents of each task, or of TASK (repeatable or comma-separated: "
+                   "--limit 150,wikitext=10; mmlu's N is spread over its subjects) (default: all)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=8, help="continuations (or same-length requests) per forward")
     p.add_argument("--threads", type=int, default=None, help="torch / engine threads (default: torch's choice)")
     p.add_argument("--configs", default="original,oracle,sparse", help="which rows to score, comma-separated")
@@ -81,12 +83,13 @@ def _register_eval(subparsers) -> None:
 
 
 def eval_command(args) -> int:
-    from sparseforge.eval.report import markdown, run_eval
+    from sparseforge.eval.report import markdown, parse_limits, run_eval
 
+    limit, task_limits = parse_limits(args.limit)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
     report = run_eval(
-        args.ckpt, tasks, limit=args.limit, batch_size=args.batch_size, threads=args.threads, original=args.original,
+        args.ckpt, tasks, limit=limit, task_limits=task_limits, batch_size=args.batch_size, threads=args.threads, original=args.original,
         configs=configs, backend=args.backend, data_root=args.data_root, context=args.context, progress=not args.no_progress,
         include_paths=args.include_path,
     )  # fmt: skip

@@ -1,6 +1,6 @@
 """`sparseforge eval`: accuracy of the dense original, the sparse model with exact masks and with predicted masks.
 
-Three configurations score the same lm-eval documents (same `--limit`) of the built-in offline `sf_*` tasks, the
+Three configurations score the same lm-eval documents (same `--limit`, per task or for all) of the built-in offline `sf_*` tasks, the
 user's own task YAMLs (`--include-path`) or lm-eval's tasks (eval/task_names.py):
 
     original   the dense model the checkpoint was converted from (HFEngine, mode dense)
@@ -220,6 +220,39 @@ def task_limit(task: str, limit: int | None, data_root: str | Path | None) -> in
     return None if limit >= total else limit / total
 
 
+def parse_limits(values: list[str] | None) -> tuple[int | None, dict[str, int]]:
+    """`--limit` values (repeatable; each `N`, `TASK=N` or a comma-separated list of them) as (the document count for
+    every task, None for all documents; the counts of the tasks named)."""
+    default, per_task = None, {}
+    for value in values or []:
+        for item in (v.strip() for v in str(value).split(",")):
+            task, _, count = item.rpartition("=")
+            try:
+                n = int(count.strip().replace("_", ""))
+            except ValueError:
+                raise SparseforgeError(f"--limit {item!r} is not a document count; write N or TASK=N, e.g. --limit 150,wikitext=10") from None
+            if n < 1:
+                raise SparseforgeError(f"--limit must be a positive number of documents, got {item!r}")
+            if task.strip():
+                per_task[task.strip()] = n
+            else:
+                default = n
+    return default, per_task
+
+
+def _limits_per_task(choice, limit: int | None, task_limits: dict[str, int]) -> dict[str, int | None]:
+    """Each chosen task's document count: its own from `task_limits` (keys named as in --tasks), else `limit`."""
+    from sparseforge.eval.task_names import choose_tasks
+
+    out = dict.fromkeys(choice.names, limit)
+    for key, n in task_limits.items():
+        name = choose_tasks([key], choice.include_paths).names[0]
+        if name not in out:
+            raise SparseforgeError(f"--limit {key}={n} names a task not in --tasks ({', '.join(choice.names)}); add it to --tasks or drop its limit")
+        out[name] = n
+    return out
+
+
 def _reusable_parts(parts_dir: Path, config: str, keys: dict[str, dict]) -> tuple[dict[str, dict], list[str]]:
     """(parts whose key still matches, tasks to score) for one row."""
     parts = {}
@@ -253,6 +286,7 @@ def run_eval(
     ckpt: str | Path,
     tasks: list[str],
     limit: int | None = None,
+    task_limits: dict[str, int] | None = None,
     batch_size: int = 8,
     threads: int | None = None,
     original: str | None = None,
@@ -265,7 +299,8 @@ def run_eval(
     include_paths: list[str] | None = None,
 ) -> dict:
     """Score `configs` of `ckpt` on `tasks` and write CKPT/eval.json; returns the report. tasks: built-in offline
-    tasks, tasks of the `include_paths` folders of lm-eval YAMLs, or lm-eval's own (eval/task_names.py).
+    tasks, tasks of the `include_paths` folders of lm-eval YAMLs, or lm-eval's own (eval/task_names.py). `limit`
+    documents of every task (None: all), or `task_limits[task]` for the tasks it names (parse_limits).
 
     Each (configuration, task) is written to CKPT/eval-parts/ as soon as it is scored and reused by later
     runs while its key (task, limit, context, weights) matches, so an interrupted eval loses at most the task
@@ -279,14 +314,16 @@ def run_eval(
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or not configs:
         raise SparseforgeError(f"unknown configuration(s) {unknown or configs}; choose from {', '.join(CONFIGS)}")
-    if limit is not None and limit < 1:
-        raise SparseforgeError(f"--limit must be a positive number of documents, got {limit}")
+    for n in [limit, *(task_limits or {}).values()]:
+        if n is not None and n < 1:
+            raise SparseforgeError(f"--limit must be a positive number of documents, got {n}")
     ckpt = Path(ckpt)
     if "sparse" in configs and not (ckpt / "predictors.json").is_file():
         raise SparseforgeError(f"{ckpt} has no predictors.json for the sparse row; run `sparseforge predictors train {ckpt}` or pass --configs original,oracle")
     choice = choose_tasks(tasks, include_paths)
     names = choice.names
-    limits = {t: task_limit(t, limit, data_root) if t not in choice.user else limit for t in names}
+    counts = _limits_per_task(choice, limit, task_limits or {})
+    limits = {t: task_limit(t, counts[t], data_root) if t not in choice.user else counts[t] for t in names}
     original = original or (recorded_source(ckpt) if "original" in configs else None)
     parts_dir = ckpt / PARTS_DIR
     per_config, runs = {}, {}
@@ -296,7 +333,7 @@ def run_eval(
         parts_dir.mkdir(exist_ok=True)
         for k, config in enumerate(configs, 1):
             model = original if config == "original" else str(ckpt)
-            keys = {t: part_key(ckpt, config, t, limit, context, backend, original, sources[t]) for t in names}
+            keys = {t: part_key(ckpt, config, t, counts[t], context, backend, original, sources[t]) for t in names}
             parts, todo = _reusable_parts(parts_dir, config, keys)
             reused = f" ({len(parts)} task(s) reused from {parts_dir})" if parts else ""
             log(f"[{k}/{len(configs)}] {config}: " + (f"loading {model} for {', '.join(todo)}{reused}" if todo else f"all {len(names)} task(s) reused from {parts_dir}"))
@@ -315,7 +352,7 @@ def run_eval(
             done = [parts[t]["run"] for t in names]
             runs[config] = {"model": model, "engine": done[-1]["engine"],
                             **{key: sum(r[key] for r in done) for key in ("wall_seconds", "forward_seconds", "forward_tokens")}}  # fmt: skip
-    report = {"tasks": names, "limit": limit, "original": original, "configs": runs, **build_report(per_config, names)}
+    report = {"tasks": names, "limit": limit, "limits": counts, "original": original, "configs": runs, **build_report(per_config, names)}
     write_artifact(ckpt, "eval", report, EVAL_FORMAT_VERSION)
     return {"format_version": EVAL_FORMAT_VERSION, **report}
 

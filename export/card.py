@@ -48,7 +48,10 @@ sparseforge eval ckpt --tasks piqa,arc_easy --limit 200     # accuracy: original
 def _accuracy(report: dict) -> str:
     from sparseforge.eval.report import markdown
 
+    own = {t.removeprefix("sf_"): n for t, n in (report.get("limits") or {}).items() if n != report.get("limit")}
     limit = f"first {report['limit']} documents per task" if report.get("limit") else "whole evaluation sets"
+    if own:
+        limit += " except " + ", ".join(f"{t}: {f'first {n}' if n else 'all'}" for t, n in own.items())
     return (
         f"## Accuracy\n\nlm-eval tasks through the sparse runtime ({limit}; zero-shot). `original` is "
         f"`{report.get('original')}`, `oracle` the sparse model with exact firing masks, `sparse` with the "

@@ -119,6 +119,27 @@ def test_eval_verb_end_to_end(tmp_path, one_thread, capsys):
     assert main(["eval", str(copy), "--tasks", "piqa,arc_easy", *argv[4:]]) == 0
     assert capsys.readouterr().out.count("all 2 task(s) reused") == 3
 
+    # one task at its own count: only that task is scored again, and the report keeps every task's count
+    assert main([*argv[:3], "piqa,arc_easy", "--limit", "6,arc_easy=3", *argv[6:]]) == 0
+    assert capsys.readouterr().out.count("for sf_arc_easy (1 task(s) reused") == 3
+    mixed = json.loads((ckpt / "eval.json").read_text())
+    assert mixed["limit"] == 6 and mixed["limits"] == {"sf_piqa": 6, "sf_arc_easy": 3}
+    assert {r["task"]: r["n"] for r in mixed["rows"] if r["metric"] == "acc"} == {"sf_piqa": 6, "sf_arc_easy": 3}
+    assert main([*argv[:5], "6,wikitext=3", *argv[6:]]) == 2
+    assert "--limit wikitext=3 names a task not in --tasks (sf_piqa)" in capsys.readouterr().err
+
+
+def test_parse_limits_reads_counts_for_all_tasks_and_per_task():
+    from sparseforge.eval.report import parse_limits
+
+    assert parse_limits(None) == (None, {})
+    assert parse_limits(["150,wikitext=10"]) == (150, {"wikitext": 10})
+    assert parse_limits(["wikitext=10", "1_000", "sf_mmlu = 57"]) == (1000, {"wikitext": 10, "sf_mmlu": 57})
+    with pytest.raises(SparseforgeError, match=r"--limit 'many' is not a document count; write N or TASK=N"):
+        parse_limits(["many"])
+    with pytest.raises(SparseforgeError, match=r"positive number of documents, got 'wikitext=0'"):
+        parse_limits(["150,wikitext=0"])
+
 
 @pytest.mark.skipif(not (data_root() / "eval" / "mmlu").is_dir(), reason="no local eval data (set SPARSEFORGE_DATA)")
 def test_task_limit_spreads_a_group_over_its_subjects():

@@ -83,6 +83,8 @@ def test_card_pins_revision_and_shows_results(ckpt, tmp_path):
     (copy / "eval.json").write_text(json.dumps(report))
     card = build_card(copy, "me/tiny-drelu", "v1")
     assert "## Accuracy" in card and "first 10 documents" in card and "| sf_piqa | acc | 10 | 0.6000 ± 0.1000 | 0.5000 ± 0.1000 (-0.1000 ± 0.0500) |" in card
+    (copy / "eval.json").write_text(json.dumps({**report, "limits": {"sf_piqa": 10, "sf_wikitext": 3}}))
+    assert "(first 10 documents per task except wikitext: first 3; zero-shot)" in build_card(copy, "me/tiny-drelu", "v1")
 
 
 def test_lm_eval_resolves_sparseforge_through_the_hook():

@@ -11,7 +11,7 @@ from tiny import random_windows, tiny_model
 from sparseforge.errors import SparseforgeError
 from sparseforge.families import mlp_activations
 from sparseforge.sparsify.convert import convert_model
-from sparseforge.train.layerwise import LayerwiseSettings, _attention_part, distill_layerwise
+from sparseforge.train.layerwise import LayerwiseSettings, _attention_part, _refit_down, distill_layerwise, token_weights
 
 
 def test_layer_by_layer_stream_is_the_forward():
@@ -111,19 +111,20 @@ def test_stage_1_sets_each_layers_threshold_before_its_refit(epochs):
 
 def test_split_init_keeps_the_strongest_halves_of_the_dense_neurons():
     """Each sparse neuron is one (dense neuron, sign) half; the kept halves are those of largest output energy
-    ||relu(g) relu(+-u)||^2 ||d||^2 on the layer's inputs, a dense neuron may give both, and the refit still lowers
-    the error."""
+    sum_t w_t relu(g_t) relu(+-u_t)^2 ||d||^2 on the layer's inputs (w_t: 1 / the stream's mean square after the
+    layer), a dense neuron may give both, and the refit still lowers the error."""
     dense = tiny_model("llama", layers=2)
     ids = torch.tensor(random_windows(8, 32))
     sparse = convert_model(copy.deepcopy(dense), "drelu")
-    stats = distill_layerwise(sparse, dense, ids, LayerwiseSettings(epochs=0, inputs="teacher", init="split"), progress=False)
+    stats = distill_layerwise(sparse, dense, ids, LayerwiseSettings(epochs=0, inputs="teacher", init="split", weights="stream"), progress=False)
     with torch.no_grad():
-        x, _ = _attention_part(dense, 0, dense.model.embed_tokens(ids), batch=2)
+        x, r = _attention_part(dense, 0, dense.model.embed_tokens(ids), batch=2)
         x = x.reshape(-1, x.shape[-1])
         t, s = dense.model.layers[0].mlp, sparse.model.layers[0].mlp
+        w = 1 / (r.reshape(x.shape) + t(x)).pow(2).mean(-1, keepdim=True)
         g, u = x @ t.gate_proj.weight.T, x @ t.up_proj.weight.T
         dn = t.down_proj.weight.pow(2).sum(0)
-        energy = torch.cat([(F.relu(g) * F.relu(u)).pow(2).sum(0) * dn, (F.relu(g) * F.relu(-u)).pow(2).sum(0) * dn])
+        energy = torch.cat([(F.relu(g) * F.relu(u)).pow(2).mul(w).sum(0) * dn, (F.relu(g) * F.relu(-u)).pow(2).mul(w).sum(0) * dn])
     width = g.shape[1]
     chosen = sorted(energy.topk(width).indices.tolist())
     rows = [(k % width, 1.0 if k < width else -1.0) for k in chosen]
@@ -150,3 +151,25 @@ def test_the_refit_ridge_pulls_down_from_least_squares_towards_the_dense_halves(
     torch.testing.assert_close(s.down_proj.weight, d0, rtol=0, atol=1e-4 * d0.abs().max().item())
     assert not torch.allclose(fits[1e-3][0].down_proj.weight, d0, atol=1e-2 * d0.abs().max().item())
     assert fits[1e-3][1] < fits[1e6][1]
+
+
+def test_stream_weights_keep_a_token_with_a_huge_stream_from_owning_the_fit():
+    """A token whose residual is 1000x the others' (an attention sink) and whose MLP output is as large: with stream
+    weights the refit of down is the fit of the other tokens; unweighted it serves that token."""
+    torch.manual_seed(0)
+    mlp = convert_model(tiny_model("llama", layers=1), "drelu").model.layers[0].mlp
+    hidden, width = mlp.down_proj.weight.shape
+    x, y, stream = torch.randn(512, hidden), torch.randn(512, hidden), torch.randn(512, hidden)
+    y[0], stream[0] = y[0] * 1e3, stream[0] * 1e3
+    w = token_weights(stream, y, "stream")
+    assert w.mean().item() == pytest.approx(1.0) and w[0] < 1e-5 * w[1:].min()
+    assert torch.equal(token_weights(stream, y, "uniform"), torch.ones(512))
+    d0 = torch.zeros(hidden, width)
+
+    def down(xs, ys, ws):
+        _refit_down(mlp, xs, ys, ws, d0, None, 1e-6)
+        return mlp.down_proj.weight.clone()
+
+    others = down(x[1:], y[1:], w[1:])
+    torch.testing.assert_close(down(x, y, w), others, rtol=1e-3, atol=1e-3 * others.abs().max().item())
+    assert not torch.allclose(down(x, y, torch.ones(512)), others, atol=1e-1 * others.abs().max().item())

@@ -68,6 +68,7 @@ BASE = {"model": "m", "output_dir": "o", "sources": {"web": {"path": "x/*.jsonl"
         ({"sources": {"web": {"path": "a", "wieght": 1}}}, r"unknown key\(s\) \['wieght'\]"),
         ({"sources": {"web": {"path": "a", "max_tokens": -5}}}, "'web' max_tokens must be a positive integer on a path or hub source, got -5"),
         ({"layerwise_inputs": "both"}, "'layerwise_inputs' is 'both'"),
+        ({"layerwise_weights": "tokens"}, "'layerwise_weights' is 'tokens'; use stream or uniform"),
     ],
 )
 def test_bad_recipes(change, message):

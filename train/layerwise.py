@@ -12,7 +12,7 @@ token (the cost of one forward pass, whatever the number of layers). At layer l:
 3. `init="lsq"` (or "split") first rebuilds the sparse MLP from the dense one (below); with `target_zeros` the layer's dReLU
    threshold is set for that fraction of exact zeros on x between the rebuild and the refit, so the refit,
    Adam and every later layer work with it in place (and set again after Adam, which moves the products); then
-   Adam minimizes ||mlp(x) - y||^2 / ||y||^2 for `epochs` passes;
+   Adam minimizes sum_t w_t ||mlp(x_t) - y_t||^2 / sum_t w_t ||y_t||^2 for `epochs` passes;
 4. the student stream moves on: h = r + mlp(x).
 
 The init. dReLU keeps a neuron's output only where gate and up are both positive, so a SwiGLU neuron whose
@@ -25,6 +25,12 @@ Both steps are closed form; they alone take most layers' relative error from 0.3
 `init="split"` chooses among all 2I (neuron, sign) candidates instead of one sign per neuron: the I whose output
 relu(g) * relu(+-u) * ||d|| carries the most energy on x, so a neuron whose output comes with both signs of up
 keeps both halves and the weakest neurons make room; the refit is the same.
+
+The token weights. Every sum over tokens above (the init's choice and refit, Adam's loss, the reported errors)
+weighs token t by w_t: 1 (`weights="uniform"`), or 1 / mean(h_t^2), h_t the stream after the layer on target,
+scaled to mean 1 (`"stream"`: an output error counts as much as it moves the RMS-normed stream the next layer
+reads). Unweighted, the first token of a window (an attention sink, its stream far larger than the others') carries
+most of some layers' squared output, and their reported error is mostly that token's.
 
 Only MLP weights change. Dense-MLP families only (MoE experts are left to end-to-end training).
 """
@@ -58,6 +64,7 @@ class LayerwiseSettings:
     target_zeros: float | None = None  # set each layer's dReLU threshold for this fraction of exact zeros before its refit
     seed: int = 0
     ridge: float = 1e-3  # the refit's lam as a fraction of the mean diagonal of H^T H
+    weights: str = "uniform"  # uniform: plain squared error; stream: each token's weighted by 1 / its stream's mean square
 
 
 class _Capture(nn.Module):
@@ -101,11 +108,11 @@ def _apply(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _rebuild(student_mlp, teacher_mlp, x: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Tensor, list | None]:
+def _rebuild(student_mlp, teacher_mlp, x: torch.Tensor, w: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Tensor, list | None]:
     """Rebuild gate and up from the teacher's (see the module docstring): each neuron reads one of the 2I candidates
     (teacher neuron k, sign s), gate_k and s * up_k. split=False: every k once, with the sign that keeps more of its
     SwiGLU output on x [T, H]; split=True: the I candidates of largest output energy, so a neuron whose output comes
-    with both signs of up can keep both halves. Returns source [I], sign [I] and, if they fit LSQ_CACHE_BYTES, each
+    with both signs of up can keep both halves. w [T]: token weights. Returns source [I], sign [I] and, if they fit LSQ_CACHE_BYTES, each
     chunk's student pre-activations (gate, up) for the refit (else None: it recomputes them)."""
     wg, wu, wd = teacher_mlp.gate_proj.weight, teacher_mlp.up_proj.weight, teacher_mlp.down_proj.weight  # [I, H], [H, I]
     if any(getattr(m, "bias", None) is not None for m in (student_mlp.gate_proj, student_mlp.up_proj, student_mlp.down_proj)):
@@ -115,13 +122,14 @@ def _rebuild(student_mlp, teacher_mlp, x: torch.Tensor, split: bool) -> tuple[to
     pre = [] if 2 * len(x) * wg.shape[0] * x.element_size() <= LSQ_CACHE_BYTES else None
     for i in range(0, len(x), _CHUNK):
         g, u = x[i : i + _CHUNK] @ wg.T, x[i : i + _CHUNK] @ wu.T  # [t, I]
+        wt = w[i : i + _CHUNK, None]
         if split:  # output energy (more is better)
-            plus += (F.relu(g) * F.relu(u)).pow(2).sum(0, dtype=torch.float64)
-            minus += (F.relu(g) * F.relu(-u)).pow(2).sum(0, dtype=torch.float64)
+            plus += (F.relu(g) * F.relu(u)).pow(2).mul_(wt).sum(0, dtype=torch.float64)
+            minus += (F.relu(g) * F.relu(-u)).pow(2).mul_(wt).sum(0, dtype=torch.float64)
         else:  # error against the SwiGLU output (less is better)
             s = F.silu(g) * u
-            plus += (s - F.relu(g) * F.relu(u)).pow(2).sum(0, dtype=torch.float64)
-            minus += (s + F.relu(g) * F.relu(-u)).pow(2).sum(0, dtype=torch.float64)
+            plus += (s - F.relu(g) * F.relu(u)).pow(2).mul_(wt).sum(0, dtype=torch.float64)
+            minus += (s + F.relu(g) * F.relu(-u)).pow(2).mul_(wt).sum(0, dtype=torch.float64)
             del s
         if pre is not None:
             pre.append((g, u))
@@ -140,9 +148,10 @@ def _rebuild(student_mlp, teacher_mlp, x: torch.Tensor, split: bool) -> tuple[to
 
 
 @torch.no_grad()
-def _refit_down(student_mlp, x: torch.Tensor, y: torch.Tensor, d0: torch.Tensor, pre: list | None, ridge: float) -> None:
-    """down by ridge least squares on all tokens, shrunk towards d0 [H, I], through the student's activation (with
-    its threshold): see the module docstring. pre: _rebuild's pre-activations, consumed."""
+def _refit_down(student_mlp, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, d0: torch.Tensor, pre: list | None,
+                ridge: float) -> None:  # fmt: skip
+    """down by ridge least squares on all tokens (weighted by w [T]), shrunk towards d0 [H, I], through the student's
+    activation (with its threshold): see the module docstring. pre: _rebuild's pre-activations, consumed."""
     width = d0.shape[1]
     hth = torch.zeros(width, width, dtype=torch.float64, device=x.device)
     yth = torch.zeros(d0.shape[0], width, dtype=torch.float64, device=x.device)
@@ -151,8 +160,9 @@ def _refit_down(student_mlp, x: torch.Tensor, y: torch.Tensor, d0: torch.Tensor,
         if pre is not None:
             pre[k] = None
         h = student_mlp.activation(g, u)  # [t, I]
-        hth += (h.T @ h).double()
-        yth += (y[i : i + _CHUNK].T @ h).double()
+        hw = h * w[i : i + _CHUNK, None]
+        hth += (hw.T @ h).double()
+        yth += (y[i : i + _CHUNK].T @ hw).double()
     lam = ridge * hth.diagonal().mean().clamp_min(1e-12)
     eye = torch.eye(width, dtype=hth.dtype, device=hth.device)
     down = torch.linalg.solve(hth + lam * eye, (yth + lam * d0.double()).T).T  # [H, I]
@@ -179,27 +189,38 @@ def _zero_fraction(mlp, x: torch.Tensor) -> float:
     return float((mlp.activation(mlp.gate_proj(x), mlp.up_proj(x)) == 0).float().mean())
 
 
-def _rel_err(out: torch.Tensor, y: torch.Tensor) -> float:
-    return ((out - y).pow(2).sum() / y.pow(2).sum()).item()
+def token_weights(residual: torch.Tensor, y: torch.Tensor, mode: str) -> torch.Tensor:
+    """Per-token weights [T] of the stage-1 objective (module docstring) from the residual after attention and the
+    target, both [T, H]: `uniform` 1; `stream` 1 / the mean square of the stream after the layer, residual + y, so
+    that an output error counts as much as it moves the normalized stream the next layer reads, scaled to mean 1."""
+    if mode == "uniform":
+        return torch.ones(len(y), dtype=y.dtype, device=y.device)
+    w = 1.0 / (residual + y).pow(2).mean(-1).clamp_min(torch.finfo(y.dtype).tiny)
+    return w / w.mean()
 
 
-def _rel_mse(mlp, x: torch.Tensor, y: torch.Tensor) -> float:
-    return _rel_err(_apply(mlp, x), y)
+def _rel_err(out: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> float:
+    return ((out - y).pow(2).sum(-1) @ w / (y.pow(2).sum(-1) @ w)).item()
 
 
-def _fit(mlp, x: torch.Tensor, y: torch.Tensor, s: LayerwiseSettings, seed: int) -> None:
-    """Adam on the MLP's weights: minimize ||mlp(x) - y||^2 / ||y||^2 over shuffled token batches. x, y: [T, H]."""
+def _rel_mse(mlp, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> float:
+    return _rel_err(_apply(mlp, x), y, w)
+
+
+def _fit(mlp, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, s: LayerwiseSettings, seed: int) -> None:
+    """Adam on the MLP's weights: minimize sum_t w_t ||mlp(x_t) - y_t||^2 / sum_t w_t ||y_t||^2 over shuffled token
+    batches. x, y: [T, H], w: [T]."""
     params = list(mlp.parameters())
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.Adam(params, lr=s.lr)
     g = torch.Generator().manual_seed(seed)
-    scale = y.pow(2).mean()
+    scale = (y.pow(2).sum(-1) @ w) / len(w)
     for _ in range(s.epochs):
         order = torch.randperm(len(x), generator=g).to(x.device)
         for i in range(0, len(x), s.batch_tokens):
             idx = order[i : i + s.batch_tokens]
-            loss = (mlp(x[idx]) - y[idx]).pow(2).mean() / scale
+            loss = ((mlp(x[idx]) - y[idx]).pow(2).sum(-1) @ w[idx]) / (len(idx) * scale)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -210,14 +231,16 @@ def distill_layerwise(student, teacher, windows: torch.Tensor, settings: Layerwi
 
     windows: [N, S] token ids of real text on the models' device. Returns
     [{"layer", "rel_mse_before", "rel_mse_after", "seconds", ...}], rel_mse = ||student - teacher||^2 / ||teacher||^2
-    on DIAG_TOKENS of the layer's inputs, evenly strided (all of them when there are fewer).
+    summed over DIAG_TOKENS of the layer's inputs, evenly strided (all of them when there are fewer), with the
+    objective's token weights (token_weights).
     """
     s = settings
     if hasattr(student.model.layers[0].mlp, "experts"):
         raise SparseforgeError("layer-wise distillation supports dense-MLP models; for MoE set layerwise_tokens: 0")
-    if s.inputs not in ("teacher", "student") or s.init not in ("lsq", "split", "none") or s.target not in ("mlp", "stream"):
-        raise SparseforgeError(f"layer-wise settings inputs={s.inputs!r} init={s.init!r} target={s.target!r}; "
-                               "use inputs teacher|student, init lsq|split|none, target mlp|stream")
+    if (s.inputs not in ("teacher", "student") or s.init not in ("lsq", "split", "none") or s.target not in ("mlp", "stream")
+            or s.weights not in ("stream", "uniform")):  # fmt: skip
+        raise SparseforgeError(f"layer-wise settings inputs={s.inputs!r} init={s.init!r} target={s.target!r} weights={s.weights!r}; "
+                               "use inputs teacher|student, init lsq|split|none, target mlp|stream, weights stream|uniform")
     if s.target == "stream" and s.inputs != "student":
         raise SparseforgeError("layerwise_target: stream needs layerwise_inputs: student (with teacher inputs it is the mlp target)")
     was_training = student.training
@@ -239,28 +262,29 @@ def distill_layerwise(student, teacher, windows: torch.Tensor, settings: Layerwi
             dense = tr + _apply(teacher_mlp, tx.reshape(-1, tx.shape[-1])).reshape(tr.shape)
             y = (dense - residual).reshape(-1, x.shape[-1])
             del tx, tr
+        w = token_weights(residual.reshape(y.shape), y, s.weights)
         probe = slice(None, None, -(-len(x) // DIAG_TOKENS))  # the diagnostics' tokens (training uses all of them)
-        xp, yp = x[probe], y[probe]
-        row = {"layer": l, "rel_mse_before": _rel_mse(mlp, xp, yp)}
-        picked, sign, pre = _rebuild(mlp, teacher_mlp, x, s.init == "split") if s.init != "none" else (None, None, None)
+        xp, yp, wp = x[probe], y[probe], w[probe]
+        row = {"layer": l, "rel_mse_before": _rel_mse(mlp, xp, yp, wp)}
+        picked, sign, pre = _rebuild(mlp, teacher_mlp, x, w, s.init == "split") if s.init != "none" else (None, None, None)
         if s.target_zeros is not None:
             row.update(_set_threshold(mlp, x, s.target_zeros))
         if s.init != "none":
-            _refit_down(mlp, x, y, teacher_mlp.down_proj.weight[:, picked] * sign[None, :], pre, s.ridge)
+            _refit_down(mlp, x, y, w, teacher_mlp.down_proj.weight[:, picked] * sign[None, :], pre, s.ridge)
             row["flipped"] = int((sign < 0).sum())
             row["both_halves"] = int(len(picked) - picked.unique().numel())  # teacher neurons read with both signs
-            row["rel_mse_init"] = _rel_mse(mlp, xp, yp)
+            row["rel_mse_init"] = _rel_mse(mlp, xp, yp, wp)
         del pre
         if s.epochs:
-            _fit(mlp, x, y, s, s.seed + l)
+            _fit(mlp, x, y, w, s, s.seed + l)
             if s.target_zeros is not None:  # Adam moved the products: the threshold again, for the target exactly
                 row["threshold"] = _set_threshold(mlp, x, s.target_zeros)["threshold"]
         if s.target_zeros is not None:
             row["zero_fraction_after"] = _zero_fraction(mlp, xp)
         out = y if s.inputs == "teacher" else _apply(mlp, x)  # what the stream moves on with
-        row["rel_mse_after"] = _rel_mse(mlp, xp, yp) if s.inputs == "teacher" else _rel_err(out[probe], yp)
+        row["rel_mse_after"] = _rel_mse(mlp, xp, yp, wp) if s.inputs == "teacher" else _rel_err(out[probe], yp, wp)
         stream = residual + out.reshape(residual.shape)
-        del x, y, xp, yp, out, residual
+        del x, y, w, xp, yp, wp, out, residual
         row["seconds"] = time.perf_counter() - start
         stats.append(row)
     student.train(was_training)

@@ -207,7 +207,7 @@ def _stage1(r: Recipe, model, teacher, mixture, device, progress: bool) -> dict:
     windows = torch.as_tensor(mixture.next_batch(-(-r.layerwise_tokens // r.seq_len)), device=device)  # [N, S]
     settings = LayerwiseSettings(r.layerwise_epochs, r.layerwise_lr, r.layerwise_batch_tokens, r.layerwise_inputs,
                                  r.layerwise_target, r.layerwise_init, r.micro_batch_size,
-                                 r.target_zeros if r.layerwise_thresholds else None, r.seed, r.layerwise_ridge)
+                                 r.target_zeros if r.layerwise_thresholds else None, r.seed, r.layerwise_ridge, r.layerwise_weights)
     start = time.perf_counter()
     stats = distill_layerwise(model, teacher, windows, settings, progress)
     return {"stage": "layerwise", "step": 0, "tokens": windows.numel(), "seconds": time.perf_counter() - start, "layers": stats}

@@ -65,6 +65,7 @@ class Recipe:
     layerwise_inputs: str = "teacher"  # teacher: MLP inputs from the dense model; student: from already-distilled layers
     layerwise_target: str = "mlp"  # mlp: the dense MLP's output; stream: the dense model's stream minus the student's (student inputs)
     layerwise_ridge: float = 1e-3  # the init's refit of down: ridge towards the dense down, a fraction of the mean diagonal of H^T H
+    layerwise_weights: str = "uniform"  # uniform: plain squared error of the MLP output; stream: each token's weighted by 1 / its stream's mean square after the layer
     layerwise_init: str = "split"  # lsq: per-neuron sign of (up, down), then down by least squares, before Adam; split: the I strongest of the 2I (neuron, sign) halves, then the same refit; none: as converted
     target_zeros: float | None = None  # dReLU thresholds set before end-to-end training for this fraction of exact zeros per layer, kept while training (null: none)
     layerwise_thresholds: bool = False  # true: stage 1 sets each layer's target_zeros threshold before refitting it; false: calibrated after stage 1
@@ -149,6 +150,8 @@ def validate(recipe: Recipe) -> Recipe:
         raise SparseforgeError(f"recipe key 'min_lr_ratio' must be in [0, 1], got {r.min_lr_ratio}")
     if r.mixed_precision not in ("no", "bf16", "fp16"):
         raise SparseforgeError(f"recipe key 'mixed_precision' is {r.mixed_precision!r}; use no, bf16 or fp16")
+    if r.layerwise_weights not in ("stream", "uniform"):
+        raise SparseforgeError(f"recipe key 'layerwise_weights' is {r.layerwise_weights!r}; use stream or uniform")
     if r.layerwise_inputs not in ("teacher", "student"):
         raise SparseforgeError(f"recipe key 'layerwise_inputs' is {r.layerwise_inputs!r}; use teacher or student")
     if r.teacher_dtype not in ("auto", "float32", "bfloat16", "float16"):
