@@ -12,7 +12,8 @@ other can be told apart.
 Nothing is measured here: every cell comes from files the runs wrote. RUN/recipe.yaml gives the settings that differ
 between rows, RUN/metrics.jsonl the final validation loss and the MLP zeros of the last training step, RUN/pipeline.json
 the training time, RUN/checkpoint/scorecard.json (when the run went that far) the held-out perplexity and MLP zeros with
-exact masks (`sparseforge predictors eval`), EVAL/eval.json the metrics of its `oracle` row (one task at its own count: `--limit 150,wikitext=10`;
+exact masks (`sparseforge predictors eval`), EVAL/eval.json the metrics of its `oracle` row (and of its `sparse` row,
+the predictors' masks, as a second row when scored) (one task at its own count: `--limit 150,wikitext=10`;
 EVAL may also be several comma-separated copies, their metrics side by side). When the first row's evaluations also scored the dense
 original (`--configs original,oracle`), the original is the first row, with the teacher's validation loss. The results
 JSON keeps each row's sources whole.
@@ -45,7 +46,7 @@ def load_row(name: str, run: Path, evs: list[Path]) -> dict:
     steps = [r for r in metrics if "mlp_zero_fraction" in r]
     card_path, pipeline_path = run / "checkpoint" / "scorecard.json", run / "pipeline.json"
     card = json.loads(card_path.read_text()) if card_path.is_file() else {}
-    exact = ((card.get("predictors") or {}).get("eval") or {}).get("oracle") or {}
+    held_out = (card.get("predictors") or {}).get("eval") or _predictors_eval(run / "checkpoint")
     train = (json.loads(pipeline_path.read_text())["stages"].get("train") or {}) if pipeline_path.is_file() else {}
     evaluations = [json.loads(_read(ev / "eval.json")) for ev in evs]
     for ev, evaluation in zip(evs, evaluations):
@@ -53,7 +54,16 @@ def load_row(name: str, run: Path, evs: list[Path]) -> dict:
             raise SparseforgeError(f"{ev / 'eval.json'} has no oracle row; score it with `sparseforge eval {ev} --configs oracle`")
     return {"name": name, "run": str(run), "evals": [str(ev) for ev in evs], "recipe": recipe, "val_loss": val[-1]["val_loss"] if val else None,
             "teacher_val_loss": teacher[0] if teacher else None, "train_seconds": train.get("seconds"),
-            "train_zeros": steps[-1]["mlp_zero_fraction"] if steps else None, "exact_mask": exact, "evaluations": evaluations}
+            "train_zeros": steps[-1]["mlp_zero_fraction"] if steps else None, "exact_mask": held_out.get("oracle") or {},
+            "predicted_mask": _predictors_eval(evs[0]) or held_out, "recall_curve": _predictors_eval(evs[0], "curve"),
+            "evaluations": evaluations}
+
+
+def _predictors_eval(ckpt: Path, key: str = "eval") -> dict:
+    """`sparseforge predictors eval`'s record (or calibrate's `curve`) in CKPT/predictors.json ({} without one): the
+    checkpoint scored carries the thresholds its predicted masks had."""
+    path = ckpt / "predictors.json"
+    return (json.loads(path.read_text()).get(key) or {}) if path.is_file() else {}
 
 
 def _losses(val: dict | None) -> str | None:
@@ -74,7 +84,8 @@ def _metrics(evaluations: list[dict], config: str) -> dict:
 
 def table_rows(rows: list[dict]) -> tuple[list[dict], list[tuple[str, str, str]]]:
     """Formatted cells and columns: settings that differ, validation loss, training time and zeros, held-out perplexity
-    and zeros, each metric of the evaluations (accuracies, their mean, perplexities); the original first if scored."""
+    and zeros, each metric of the evaluations (accuracies, their mean, perplexities); the original first if scored, and
+    under a run whose evaluations scored the predictors' masks, a row with those (a run listed again: that row only)."""
     keys = sorted({k for r in rows for k in r["recipe"]} - {"output_dir", "model", "teacher", "stages"})
     differ = [k for k in keys if len({json.dumps(r["recipe"].get(k), sort_keys=True) for r in rows}) > 1]
     first = rows[0]["evaluations"]
@@ -83,14 +94,24 @@ def table_rows(rows: list[dict]) -> tuple[list[dict], list[tuple[str, str, str]]
     out = []
     if all("original" in e.get("configs", {}) for e in first):
         out.append({"name": "original", "settings": "dense", "val": _losses(rows[0]["teacher_val_loss"]), **_metrics(first, "original")})
+    shown = set()
     for r in rows:
         cells = {"name": r["name"], "settings": " ".join(f"{k}={r['recipe'].get(k)}" for k in differ), "val": _losses(r["val_loss"]),
                  "train_min": r["train_seconds"] / 60 if r["train_seconds"] else None, "train_zeros": r["train_zeros"],
                  "ppl": r["exact_mask"].get("perplexity"), "zeros": r["exact_mask"].get("mean_zero_fraction")}
-        out.append({**cells, **_metrics(r["evaluations"], "oracle")})
+        if r["run"] not in shown:  # a run listed again (a copy scored with other thresholds) adds its predicted row only
+            out.append({**cells, **_metrics(r["evaluations"], "oracle")})
+        shown.add(r["run"])
+        if all("sparse" in e.get("configs", {}) for e in r["evaluations"]):  # the predictors' masks scored too
+            held_out = r["predicted_mask"]
+            predicted = {"ppl": (held_out.get("predicted") or {}).get("perplexity"), "zeros": None,
+                         "active": (held_out.get("overall") or {}).get("predicted_fraction")}
+            out.append({**cells, "name": f"{r['name']}, predicted masks", **predicted, **_metrics(r["evaluations"], "sparse")})
     columns = [("name", "variant", ""), ("settings", "settings", ""), ("val", "val loss web/code/math", ""),
                ("train_min", "train min", ".1f"), ("train_zeros", "MLP zeros (last step)", ".1%"),
                ("ppl", "held-out perplexity", ".2f"), ("zeros", "MLP zeros", ".1%")]
+    if any("active" in c for c in out):
+        columns.append(("active", "predicted active", ".1%"))
     columns += [(k, f"{t.removeprefix('sf_')} {m} (n={n})", ".3f") for k, t, m, n in accuracy] + [("mean", "mean", ".3f")]
     columns += [(k, f"{t.removeprefix('sf_')} {m} (n={n})", ".2f") for k, t, m, n in other]  # perplexities
     return out, columns
@@ -114,10 +135,10 @@ def main(argv=None) -> int:
         return 2
     cells, columns = table_rows(rows)
     table = markdown_table(cells, columns)
-    notes = ("Accuracy and the evaluation's perplexities: exact masks (the `oracle` row of `sparseforge eval --backend hf`), "
-             "the same documents for every variant (and the dense original, when scored); held-out perplexity and MLP zeros: "
-             "`sparseforge predictors eval` with the exact mask, on the same held-out tokens; MLP zeros (last step): the last "
-             "training step's batch.")
+    notes = ("Accuracy and the evaluation's perplexities: exact masks (the `oracle` row of `sparseforge eval`; rows named "
+             "\"predicted masks\": its `sparse` row), the same documents for every variant (and the dense original, when "
+             "scored); held-out perplexity and MLP zeros: `sparseforge predictors eval` with the same mask, on the same held-out "
+             "tokens; MLP zeros (last step): the last training step's batch.")
     data = {"command": "python " + " ".join(["benchmarks/variants_table.py", *(argv if argv is not None else sys.argv[1:])]),
             "environment": environment(1), "rows": rows}
     write_results(args.out, data, table + "\n\n" + notes, RESULTS)

@@ -1,6 +1,8 @@
 """benchmarks/variants_table.py: one row per run from the files the runs wrote; rows scored alike only."""
 
 import json
+import shutil
+from pathlib import Path
 
 import yaml
 from scripts import load_script
@@ -8,7 +10,7 @@ from scripts import load_script
 variants = load_script("variants_table")
 
 
-def _run(tmp_path, name, init, ppl, accs, limit=400, original=None, card=True):
+def _run(tmp_path, name, init, ppl, accs, limit=400, original=None, card=True, sparse=None):
     run, ev = tmp_path / name, tmp_path / "cmp" / name
     (run / "checkpoint").mkdir(parents=True)
     ev.mkdir(parents=True)
@@ -22,7 +24,7 @@ def _run(tmp_path, name, init, ppl, accs, limit=400, original=None, card=True):
     (run / "pipeline.json").write_text(json.dumps({"format_version": 1, "stages": {"train": {"seconds": 600.0}}}))
     if card:
         (run / "checkpoint" / "scorecard.json").write_text(json.dumps({"predictors": {"eval": {"oracle": {"perplexity": ppl, "mean_zero_fraction": 0.85}}}}))
-    configs = {"oracle": accs} | ({"original": original} if original else {})
+    configs = {"oracle": accs} | ({"original": original} if original else {}) | ({"sparse": sparse} if sparse else {})
     rows = [{"task": t, "metric": "acc", "n": limit, "mean": True, "values": {c: {"value": v[t], "stderr": 0.02} for c, v in configs.items()},
              "deltas": {}} for t in accs]
     rows.append({"task": "sf_wikitext", "metric": "word_perplexity", "n": limit, "mean": False,
@@ -74,3 +76,28 @@ def test_the_original_scored_beside_is_the_first_row_and_a_run_without_scorecard
     assert lines[0].endswith("| piqa acc (n=400) | boolq acc (n=400) | mean | wikitext word_perplexity (n=400) | wikitext word_perplexity (n=10) |")
     assert lines[2] == "| original | dense | 3.000/2.000/1.500 | — | — | — | — | 0.700 | 0.800 | 0.750 | 30.00 | 33.00 |"
     assert lines[3] == "| cpu-full |  | 4.500/3.500/2.500 | 10.0 | 86.0% | — | — | 0.500 | 0.600 | 0.550 | 50.00 | 66.00 |"
+
+
+def test_a_run_scored_with_predicted_masks_gets_a_second_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(variants, "RESULTS", tmp_path / "results")
+    run, ev = _run(tmp_path, "a", "split", 24.0, {"sf_piqa": 0.5}, original={"sf_piqa": 0.7}, sparse={"sf_piqa": 0.45})
+    card = Path(run) / "checkpoint" / "scorecard.json"
+    held_out = {"oracle": {"perplexity": 24.0, "mean_zero_fraction": 0.85}, "predicted": {"perplexity": 25.5}, "overall": {"predicted_fraction": 0.4}}
+    card.write_text(json.dumps({"predictors": {"eval": held_out}}))
+    assert variants.main(["--out", "v", "--row", "cpu-full", run, ev]) == 0
+    lines = (tmp_path / "results" / "v.md").read_text().splitlines()
+    assert "| held-out perplexity | MLP zeros | predicted active | piqa acc (n=400) |" in lines[0]
+    assert lines[2].startswith("| original | dense |") and lines[3].startswith("| cpu-full |  |")
+    assert lines[3].endswith("| 24.00 | 85.0% | — | 0.500 | 0.500 | 50.00 |")
+    assert lines[4] == "| cpu-full, predicted masks |  | 4.500/3.500/2.500 | 10.0 | 86.0% | 25.50 | — | 40.0% | 0.450 | 0.450 | 50.00 |"
+    # the evaluated copy's own predictors.json (its thresholds) wins over the run's scorecard
+    (Path(ev) / "predictors.json").write_text(json.dumps({"eval": {**held_out, "predicted": {"perplexity": 27.0}, "overall": {"predicted_fraction": 0.3}}}))
+    assert variants.main(["--out", "v", "--row", "cpu-full", run, ev]) == 0
+    assert "| cpu-full, predicted masks |  | 4.500/3.500/2.500 | 10.0 | 86.0% | 27.00 | — | 30.0% |" in (tmp_path / "results" / "v.md").read_text()
+    # the same run again with another scored copy (other thresholds): only its predicted row is added
+    other = Path(ev).parent / "a-r995"
+    shutil.copytree(ev, other)
+    (other / "predictors.json").write_text(json.dumps({"eval": {"predicted": {"perplexity": 30.0}, "overall": {"predicted_fraction": 0.2}}}))
+    assert variants.main(["--out", "v", "--row", "cpu-full", run, ev, "--row", "cpu-full-r995", run, str(other)]) == 0
+    lines = (tmp_path / "results" / "v.md").read_text().splitlines()
+    assert [line.split(" | ")[0] for line in lines[2:7]] == ["| original", "| cpu-full", "| cpu-full, predicted masks", "| cpu-full-r995, predicted masks", ""]
