@@ -8,8 +8,7 @@ predictors' hits and misses as it goes: the curve is (R, recall and predicted-ac
 perplexity increase over the exact mask). Measured on the held-out tokens the thresholds were fitted to instead,
 a low recall looks several times cheaper than it is on other text. The knee is the point with the fewest
 predicted-active neurons on fresh text whose perplexity stays within `max_ppl_increase` of the exact mask; if no
-candidate does, the highest recall. (R + margin is capped just below 1: the top candidates may then share a
-threshold.)
+candidate does, the highest recall. (R + margin keeps at least a quarter of R's misses: fit.calibration_recall.)
 
 The scores of every unit are computed once; each candidate only moves a threshold (a k-th value), so the
 curve costs one masked forward pass over the fresh tokens per candidate.

@@ -105,6 +105,9 @@ def test_training_and_calibration_on_tiny_llama(tmp_path):
     sets, fitted = _fit_tiny(sparse)
     assert sets.train_tokens == 1536 and sets.heldout_tokens == 512
     assert calibration_recall(FitConfig().target_recall, FitConfig().recall_margin) == pytest.approx(0.994)
+    # a margin that would ask for more than 3/4 of the target's misses gone leaves a quarter of them
+    assert calibration_recall(0.995, 0.003) == pytest.approx(0.998) and calibration_recall(0.998, 0.003) == pytest.approx(0.9995)
+    assert calibration_recall(0.999, 0.5) == pytest.approx(0.99975)
     for unit in fitted:
         held = unit.stats["heldout"]
         assert held["recall"] >= 0.994  # calibrated on these held-out rows to the target plus the margin

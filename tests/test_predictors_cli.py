@@ -106,7 +106,7 @@ def test_fold_thresholds_moves_every_layer_to_one_threshold():
         (["profile", "{dense}"], "is not a sparse checkpoint"),
         (["profile", "{ckpt}", "--data", "/nonexistent/*.jsonl"], "no files match"),
         (["predictors", "train", "{ckpt}", "--target-recall", "1.5"], "--target-recall must be in (0, 1), got 1.5"),
-        (["predictors", "train", "{ckpt}", "--recall-margin", "0.02"], "--recall-margin must be in [0, 1 - --target-recall), got 0.02"),
+        (["predictors", "train", "{ckpt}", "--recall-margin", "1.5"], "--recall-margin must be in [0, 1), got 1.5"),
         (["predictors", "eval", "{ckpt}"], "predictors.json does not exist"),
         (["predictors", "calibrate", "{ckpt}", "--target-recall", "0.9"], "predictors.json does not exist"),
         (["export", "{ckpt}", "--format", "powerinfer", "--out", "{tmp}/pi"], "profile.json does not exist"),
