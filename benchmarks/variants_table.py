@@ -12,10 +12,10 @@ other can be told apart.
 Nothing is measured here: every cell comes from files the runs wrote. RUN/recipe.yaml gives the settings that differ
 between rows, RUN/metrics.jsonl the final validation loss and the MLP zeros of the last training step, RUN/pipeline.json
 the training time, RUN/checkpoint/scorecard.json (when the run went that far) the held-out perplexity and MLP zeros with
-exact masks (`sparseforge predictors eval`), EVAL/eval.json the metrics of its `oracle` row (and of its `sparse` row,
-the predictors' masks, as a second row when scored) (one task at its own count: `--limit 150,wikitext=10`;
-EVAL may also be several comma-separated copies, their metrics side by side). When the first row's evaluations also scored the dense
-original (`--configs original,oracle`), the original is the first row, with the teacher's validation loss. The results
+exact masks (`sparseforge predictors eval`), EVAL/eval.json the metrics of its `oracle` row and, when scored, of its
+`sparse` row (the predictors' masks) as a second row; a task may have its own count (`--limit 150,wikitext=10`).
+When the first row's evaluation also scored the dense original (`--configs original,oracle`), the original is the
+first row, with the teacher's validation loss. The results
 JSON keeps each row's sources whole.
 """
 
@@ -37,8 +37,8 @@ def _read(path: Path) -> str:
     return path.read_text()
 
 
-def load_row(name: str, run: Path, evs: list[Path]) -> dict:
-    """One row's sources: the recipe, the last validation loss, the scorecard's predictors eval, the evals."""
+def load_row(name: str, run: Path, ev: Path) -> dict:
+    """One row's sources: the recipe, the last validation loss, the scorecard's predictors eval, the eval."""
     recipe = load_recipe(run / "recipe.yaml").to_dict()  # a key newer than the run: its default
     metrics = [json.loads(line) for line in _read(run / "metrics.jsonl").splitlines()]
     val = [r for r in metrics if "val_loss" in r and "reference" not in r]
@@ -48,15 +48,14 @@ def load_row(name: str, run: Path, evs: list[Path]) -> dict:
     card = json.loads(card_path.read_text()) if card_path.is_file() else {}
     held_out = (card.get("predictors") or {}).get("eval") or _predictors_eval(run / "checkpoint")
     train = (json.loads(pipeline_path.read_text())["stages"].get("train") or {}) if pipeline_path.is_file() else {}
-    evaluations = [json.loads(_read(ev / "eval.json")) for ev in evs]
-    for ev, evaluation in zip(evs, evaluations):
-        if "oracle" not in evaluation.get("configs", {}):
-            raise SparseforgeError(f"{ev / 'eval.json'} has no oracle row; score it with `sparseforge eval {ev} --configs oracle`")
-    return {"name": name, "run": str(run), "evals": [str(ev) for ev in evs], "recipe": recipe, "val_loss": val[-1]["val_loss"] if val else None,
+    evaluation = json.loads(_read(ev / "eval.json"))
+    if "oracle" not in evaluation.get("configs", {}):
+        raise SparseforgeError(f"{ev / 'eval.json'} has no oracle row; score it with `sparseforge eval {ev} --configs oracle`")
+    return {"name": name, "run": str(run), "eval": str(ev), "recipe": recipe, "val_loss": val[-1]["val_loss"] if val else None,
             "teacher_val_loss": teacher[0] if teacher else None, "train_seconds": train.get("seconds"),
             "train_zeros": steps[-1]["mlp_zero_fraction"] if steps else None, "exact_mask": held_out.get("oracle") or {},
-            "predicted_mask": _predictors_eval(evs[0]) or held_out, "recall_curve": _predictors_eval(evs[0], "curve"),
-            "evaluations": evaluations}
+            "predicted_mask": _predictors_eval(ev) or held_out, "recall_curve": _predictors_eval(ev, "curve"),
+            "evaluation": evaluation}
 
 
 def _predictors_eval(ckpt: Path, key: str = "eval") -> dict:
@@ -73,26 +72,23 @@ def _losses(val: dict | None) -> str | None:
     return "/".join(f"{val[s]:.3f}" for s in order)
 
 
-def _metrics(evaluations: list[dict], config: str) -> dict:
-    """{i:task:metric: value} of one configuration over eval.json files (i: the file's index), and under "mean" the mean of their averaged
-    metrics (each task's first accuracy metric, as `sparseforge eval` averages)."""
-    cells = {f"{i}:{t['task']}:{t['metric']}": t["values"][config]["value"]
-             for i, e in enumerate(evaluations) for t in e["rows"] if config in t["values"]}
-    averaged = [cells.get(f"{i}:{m}") for i, e in enumerate(evaluations) for m in (e.get("average") or {}).get("metrics", [])]
-    return {**cells, "mean": sum(averaged) / len(averaged) if averaged and None not in averaged else None}
+def _metrics(evaluation: dict, config: str) -> dict:
+    """{task:metric: value} of one configuration of an eval.json, and its average under "mean"."""
+    cells = {f"{t['task']}:{t['metric']}": t["values"][config]["value"] for t in evaluation["rows"] if config in t["values"]}
+    return {**cells, "mean": ((evaluation.get("average") or {}).get("values") or {}).get(config)}
 
 
 def table_rows(rows: list[dict]) -> tuple[list[dict], list[tuple[str, str, str]]]:
     """Formatted cells and columns: settings that differ, validation loss, training time and zeros, held-out perplexity
-    and zeros, each metric of the evaluations (accuracies, their mean, perplexities); the original first if scored, and
-    under a run whose evaluations scored the predictors' masks, a row with those (a run listed again: that row only)."""
+    and zeros, each metric of the evaluation (accuracies, their mean, perplexities); the original first if scored, and
+    under a run whose evaluation scored the predictors' masks, a row with those (a run listed again: that row only)."""
     keys = sorted({k for r in rows for k in r["recipe"]} - {"output_dir", "model", "teacher", "stages"})
     differ = [k for k in keys if len({json.dumps(r["recipe"].get(k), sort_keys=True) for r in rows}) > 1]
-    first = rows[0]["evaluations"]
-    accuracy = [(f"{i}:{t['task']}:{t['metric']}", t["task"], t["metric"], t["n"]) for i, e in enumerate(first) for t in e["rows"] if t["mean"]]
-    other = [(f"{i}:{t['task']}:{t['metric']}", t["task"], t["metric"], t["n"]) for i, e in enumerate(first) for t in e["rows"] if not t["mean"]]
+    first = rows[0]["evaluation"]
+    accuracy = [(f"{t['task']}:{t['metric']}", t["task"], t["metric"], t["n"]) for t in first["rows"] if t["mean"]]
+    other = [(f"{t['task']}:{t['metric']}", t["task"], t["metric"], t["n"]) for t in first["rows"] if not t["mean"]]
     out = []
-    if all("original" in e.get("configs", {}) for e in first):
+    if "original" in first.get("configs", {}):
         out.append({"name": "original", "settings": "dense", "val": _losses(rows[0]["teacher_val_loss"]), **_metrics(first, "original")})
     shown = set()
     for r in rows:
@@ -100,13 +96,13 @@ def table_rows(rows: list[dict]) -> tuple[list[dict], list[tuple[str, str, str]]
                  "train_min": r["train_seconds"] / 60 if r["train_seconds"] else None, "train_zeros": r["train_zeros"],
                  "ppl": r["exact_mask"].get("perplexity"), "zeros": r["exact_mask"].get("mean_zero_fraction")}
         if r["run"] not in shown:  # a run listed again (a copy scored with other thresholds) adds its predicted row only
-            out.append({**cells, **_metrics(r["evaluations"], "oracle")})
+            out.append({**cells, **_metrics(r["evaluation"], "oracle")})
         shown.add(r["run"])
-        if all("sparse" in e.get("configs", {}) for e in r["evaluations"]):  # the predictors' masks scored too
+        if "sparse" in r["evaluation"].get("configs", {}):  # the predictors' masks scored too
             held_out = r["predicted_mask"]
             predicted = {"ppl": (held_out.get("predicted") or {}).get("perplexity"), "zeros": None,
                          "active": (held_out.get("overall") or {}).get("predicted_fraction")}
-            out.append({**cells, "name": f"{r['name']}, predicted masks", **predicted, **_metrics(r["evaluations"], "sparse")})
+            out.append({**cells, "name": f"{r['name']}, predicted masks", **predicted, **_metrics(r["evaluation"], "sparse")})
     columns = [("name", "variant", ""), ("settings", "settings", ""), ("val", "val loss web/code/math", ""),
                ("train_min", "train min", ".1f"), ("train_zeros", "MLP zeros (last step)", ".1%"),
                ("ppl", "held-out perplexity", ".2f"), ("zeros", "MLP zeros", ".1%")]
@@ -120,16 +116,15 @@ def table_rows(rows: list[dict]) -> tuple[list[dict], list[tuple[str, str, str]]
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--row", nargs=3, action="append", required=True, metavar=("NAME", "RUN", "EVAL"),
-                   help="a variant: its name, its `sparseforge run` output_dir, and the checkpoint copy `sparseforge eval` "
-                        "scored (comma-separated copies: their metrics side by side)")
+                   help="a variant: its name, its `sparseforge run` output_dir, and the checkpoint copy `sparseforge eval` scored")
     p.add_argument("--out", required=True, help="results name: writes benchmarks/results/NAME.{json,md}")
     args = p.parse_args(argv)
     try:
-        rows = [load_row(n, Path(run), [Path(e) for e in ev.split(",")]) for n, run, ev in args.row]
+        rows = [load_row(n, Path(run), Path(ev)) for n, run, ev in args.row]
     except SparseforgeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tasks = {json.dumps([e.get("limits") or dict.fromkeys(e["tasks"], e.get("limit")) for e in r["evaluations"]]) for r in rows}
+    tasks = {json.dumps(r["evaluation"].get("limits") or dict.fromkeys(r["evaluation"]["tasks"], r["evaluation"].get("limit"))) for r in rows}
     if len(tasks) > 1:
         print(f"error: the rows were scored on different tasks or limits ({', '.join(sorted(tasks))}); score them alike", file=sys.stderr)
         return 2

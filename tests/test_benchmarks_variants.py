@@ -65,17 +65,15 @@ def test_rows_scored_differently_or_missing_files_are_refused(tmp_path, monkeypa
 def test_the_original_scored_beside_is_the_first_row_and_a_run_without_scorecard_has_no_perplexity(tmp_path, monkeypatch):
     monkeypatch.setattr(variants, "RESULTS", tmp_path / "results")
     run, ev = _run(tmp_path, "a", "split", None, {"sf_piqa": 0.5, "sf_boolq": 0.6}, original={"sf_piqa": 0.7, "sf_boolq": 0.8}, card=False)
-    wt = tmp_path / "cmp" / "a-wikitext"  # a second evaluation of the same checkpoint, at its own limit
-    wt.mkdir()
-    (wt / "eval.json").write_text(json.dumps({"format_version": 1, "tasks": ["sf_wikitext"], "limit": 10, "configs": {"original": {}, "oracle": {}},
-                                              "rows": [{"task": "sf_wikitext", "metric": "word_perplexity", "n": 10, "mean": False,
-                                                        "values": {"original": {"value": 33.0}, "oracle": {"value": 66.0}}}],
-                                              "average": {"metrics": [], "values": {}}}))
-    assert variants.main(["--out", "v", "--row", "cpu-full", run, f"{ev},{wt}"]) == 0
+    report = json.loads((Path(ev) / "eval.json").read_text())  # wikitext at its own count (--limit 400,wikitext=10)
+    report["limits"] = {"sf_piqa": 400, "sf_boolq": 400, "sf_wikitext": 10}
+    report["rows"][-1]["n"] = 10
+    (Path(ev) / "eval.json").write_text(json.dumps(report))
+    assert variants.main(["--out", "v", "--row", "cpu-full", run, ev]) == 0
     lines = (tmp_path / "results" / "v.md").read_text().splitlines()
-    assert lines[0].endswith("| piqa acc (n=400) | boolq acc (n=400) | mean | wikitext word_perplexity (n=400) | wikitext word_perplexity (n=10) |")
-    assert lines[2] == "| original | dense | 3.000/2.000/1.500 | — | — | — | — | 0.700 | 0.800 | 0.750 | 30.00 | 33.00 |"
-    assert lines[3] == "| cpu-full |  | 4.500/3.500/2.500 | 10.0 | 86.0% | — | — | 0.500 | 0.600 | 0.550 | 50.00 | 66.00 |"
+    assert lines[0].endswith("| piqa acc (n=400) | boolq acc (n=400) | mean | wikitext word_perplexity (n=10) |")
+    assert lines[2] == "| original | dense | 3.000/2.000/1.500 | — | — | — | — | 0.700 | 0.800 | 0.750 | 30.00 |"
+    assert lines[3] == "| cpu-full |  | 4.500/3.500/2.500 | 10.0 | 86.0% | — | — | 0.500 | 0.600 | 0.550 | 50.00 |"
 
 
 def test_a_run_scored_with_predicted_masks_gets_a_second_row(tmp_path, monkeypatch):
