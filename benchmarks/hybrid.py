@@ -7,6 +7,10 @@ process, alternating, medians.
     python benchmarks/hybrid.py --device cuda --threads 8                        # the dReLU checkpoint (--ckpt)
     python benchmarks/hybrid.py --device cuda --threads 8 --shapes 1B 3B          # scale.py's random Llama shapes
     python benchmarks/hybrid.py --device cpu --threads 2 --budgets 100% 25%       # the same split with the CPU as device
+    python benchmarks/hybrid.py --device cuda --threads 8 --shapes 3B --eager-budgets 100% 25%   # + the eager step beside
+
+The project's device engines decode through CUDA graphs (runtime/graphs.py) unless SPARSEFORGE_DEVICE_GRAPHS=0;
+--eager-budgets adds engines with the eager step at those budgets, so the graphs' effect is measured in the same run.
 
 The random shapes keep scale.py's checkpoints (SwiGLU kept, float16, a predictor selecting a fixed (1 - sparsity)
 fraction of each layer's neurons) and get a profile whose firing counts are random: the device's hot set is chosen
@@ -46,13 +50,23 @@ def random_profile(ckpt: Path, seed: int = 0) -> None:
 class Ours:
     """The project's engine: the hybrid tier at one device budget, or (budget None) the CPU engine."""
 
-    def __init__(self, ckpt, mode, dtype, context, threads, device=None, budget=None):
+    def __init__(self, ckpt, mode, dtype, context, threads, device=None, budget=None, eager=False):
+        import os
+
         from sparseforge.runtime.engine import Engine
 
-        self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False,
-                                  device=device if budget else None, device_memory=budget)  # fmt: skip
+        saved = os.environ.get("SPARSEFORGE_DEVICE_GRAPHS")
+        os.environ["SPARSEFORGE_DEVICE_GRAPHS"] = "0" if eager else (saved or "1")  # read when the engine is loaded
+        try:
+            self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False,
+                                      device=device if budget else None, device_memory=budget)  # fmt: skip
+        finally:
+            if saved is None:
+                del os.environ["SPARSEFORGE_DEVICE_GRAPHS"]
+            else:
+                os.environ["SPARSEFORGE_DEVICE_GRAPHS"] = saved
         self.budget = budget
-        self.name = f"sparseforge {mode} {dtype}, " + (f"{device} {budget} MLP" if budget else "CPU engine")
+        self.name = f"sparseforge {mode} {dtype}, " + (f"{device} {budget} MLP" + (", eager step" if eager else "") if budget else "CPU engine")
         tier = self.engine.stats().get("device")
         self.device_bytes = self.engine.model.device_tier.plan["budget_bytes"] if tier else None
         self.hot_fraction = tier["hot_fraction"] if tier else None
@@ -93,25 +107,8 @@ class HF:
         del self.hf
 
 
-def sweep(ckpt: Path, label: str, args) -> list[dict]:
-    from sparseforge.runtime.hybrid import device_plan
-
-    cuda = args.device.startswith("cuda")
-    contestants = [Ours(ckpt, args.mode, args.dtype, args.context, args.threads)]
-    contestants += [Ours(ckpt, args.mode, args.dtype, args.context, args.threads, args.device, b) for b in args.budgets]
-    if cuda and args.dtype != "int8":
-        contestants.append(HF(ckpt, args.dtype, args.device))
-        for b in args.hf_budgets:
-            plan = device_plan(ckpt, b, args.dtype, args.context)
-            contestants.append(HF(ckpt, args.dtype, args.device, plan["budget_bytes"] - plan["always_touched"]["kv_cache"], b))
-    ids = torch.randint(3, 30000, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
-    runs = {id(c): [] for c in contestants}
-    for c in contestants:
-        c.run(ids, 3)  # warm-up
-    for rep in range(args.reps):
-        for c in contestants:
-            runs[id(c)].append(c.run(ids, args.new_tokens))
-            print(f"{label} rep {rep}: {c.name}: {runs[id(c)][-1]['decode_tps']:.2f} tok/s", file=sys.stderr, flush=True)
+def summarize(contestants: list, runs: dict, label: str, args) -> list[dict]:
+    """One row per contestant from its repetitions so far: medians, and ratios to the CPU engine and HF."""
     rows = []
     for c in contestants:
         r = runs[id(c)]
@@ -125,6 +122,33 @@ def sweep(ckpt: Path, label: str, args) -> list[dict]:
         hf = next((h["decode_tps"] for h in rows if h["engine"].startswith("HF") and h["budget"] == row["budget"] and row["budget"]), None)
         row["vs_hf_offload"] = row["decode_tps"] / hf if hf and not row["engine"].startswith("HF") else None
         row["vs_hf_on_device"] = row["decode_tps"] / full if full and not row["engine"].startswith("HF") else None
+    return rows
+
+
+def sweep(ckpt: Path, label: str, args, report) -> list[dict]:
+    """Every contestant on one checkpoint, alternating inside each repetition; `report(rows)` after each."""
+    from sparseforge.runtime.hybrid import device_plan
+
+    cuda = args.device.startswith("cuda")
+    contestants = [Ours(ckpt, args.mode, args.dtype, args.context, args.threads)]
+    contestants += [Ours(ckpt, args.mode, args.dtype, args.context, args.threads, args.device, b) for b in args.budgets]
+    contestants += [Ours(ckpt, args.mode, args.dtype, args.context, args.threads, args.device, b, eager=True) for b in args.eager_budgets]
+    if cuda and args.dtype != "int8":
+        contestants.append(HF(ckpt, args.dtype, args.device))
+        for b in args.hf_budgets:
+            plan = device_plan(ckpt, b, args.dtype, args.context)
+            contestants.append(HF(ckpt, args.dtype, args.device, plan["budget_bytes"] - plan["always_touched"]["kv_cache"], b))
+    ids = torch.randint(3, 30000, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    runs = {id(c): [] for c in contestants}
+    for c in contestants:
+        c.run(ids, 3)  # warm-up
+    rows = []
+    for rep in range(args.reps):
+        for c in contestants:
+            runs[id(c)].append(c.run(ids, args.new_tokens))
+            print(f"{label} rep {rep}: {c.name}: {runs[id(c)][-1]['decode_tps']:.2f} tok/s", file=sys.stderr, flush=True)
+        rows = summarize(contestants, runs, label, args)
+        report(rows)  # every finished repetition is written: a run stopped early keeps what it measured
     for c in contestants:
         c.close()
     gc.collect()
@@ -138,7 +162,10 @@ def main() -> None:
     p.add_argument("--shapes", nargs="*", choices=list(SHAPES), default=[], help="scale.py's random shapes instead of --ckpt")
     p.add_argument("--sparsity", type=float, default=0.90, help="fraction of MLP neurons the random shapes' predictor leaves out")
     p.add_argument("--work-dir", default="runs/bench/scale", help="where scale.py's random checkpoints live (written once)")
+    p.add_argument("--tokenizer", default="smollm2-135m", help="the tokenizer the random checkpoints carry (any model spec or folder)")
     p.add_argument("--budgets", nargs="+", default=["100%", "50%", "25%", "10%"], help="device budgets (% of the MLP neuron bytes)")
+    p.add_argument("--eager-budgets", nargs="*", default=[], help="budgets also run with the eager decode step (no device graphs: "
+                   "runtime/graphs.py) beside the graphed one")
     p.add_argument("--hf-budgets", nargs="*", default=["25%"], help="budgets at which HF accelerate offload runs (CUDA)")
     p.add_argument("--mode", default="sparse", choices=("sparse", "oracle", "dense"), help="the project's engines' mode")
     p.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16", "int8"),
@@ -156,21 +183,28 @@ def main() -> None:
     args.context = args.prompt_tokens + args.new_tokens + 8
     models = []
     for shape in args.shapes:
-        ckpt = with_sparsity(build_checkpoint(shape, Path(args.work_dir)), args.sparsity)
+        ckpt = with_sparsity(build_checkpoint(shape, Path(args.work_dir), args.tokenizer), args.sparsity)
         random_profile(ckpt)
         models.append((ckpt, f"{shape} random, {round(args.sparsity * 100)}% left out"))
     if not args.shapes:
         models.append((Path(args.ckpt), Path(args.ckpt).parent.name))
     args.dtype = args.dtype or ("float16" if args.shapes else "float32")
-    rows = [row for ckpt, label in models for row in sweep(ckpt, label, args)]
-    data = {"command": "python " + " ".join(sys.argv), "device": args.device, "mode": args.mode, "dtype": args.dtype, "environment": env,
-            "bandwidth": bandwidth, "rows": rows, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "reps": args.reps}  # fmt: skip
     cols = [("model", "model", ""), ("engine", "engine", ""), ("device_bytes", "device bytes", ","), ("hot_fraction", "MLP neurons on device", ".2f"),
             ("decode_tps", "decode tok/s", ".2f"), ("vs_cpu_engine", "÷ CPU engine", ".2f"), ("vs_hf_offload", "÷ HF offload", ".1f"),
             ("vs_hf_on_device", "÷ HF on device", ".2f"), ("neurons_computed", "neurons computed", ".3f"), ("prefill_tps", "prefill tok/s", ".1f")]  # fmt: skip
     name = args.out or f"hybrid-{args.device.replace(':', '')}-{'-'.join(args.shapes) or 'ckpt'}-t{args.threads}"
-    for path in write_results(name, data, markdown_table(rows, cols)):
-        print(f"wrote {path}")
+    finished: list[dict] = []
+
+    def write(current: list[dict]) -> None:
+        rows = finished + current
+        data = {"command": "python " + " ".join(sys.argv), "device": args.device, "mode": args.mode, "dtype": args.dtype, "environment": env,
+                "bandwidth": bandwidth, "rows": rows, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "reps": args.reps,
+                "reps_done": {row["model"]: len(row["decode_all"]) for row in rows}}  # fmt: skip
+        for path in write_results(name, data, markdown_table(rows, cols)):
+            print(f"wrote {path}", file=sys.stderr)
+
+    for ckpt, label in models:
+        finished += sweep(ckpt, label, args, write)
 
 
 if __name__ == "__main__":

@@ -38,9 +38,9 @@ SHAPES = {  # Llama-family shapes: SmolLM2-135M, Llama-3.2-1B, Llama-3.2-3B, Qwe
 }
 
 
-def build_checkpoint(shape: str, work: Path) -> Path:
+def build_checkpoint(shape: str, work: Path, tokenizer: str = "smollm2-135m") -> Path:
     """A random-init Llama of `shape` as a sparse checkpoint with SwiGLU kept (module docstring), float16, written
-    once to work/<shape>-silu."""
+    once to work/<shape>-silu, with `tokenizer` (any model spec; prompts are random ids, so any Llama tokenizer will do)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from sparseforge.checkpoint import save_sparse
@@ -59,7 +59,7 @@ def build_checkpoint(shape: str, work: Path) -> Path:
     finally:
         torch.set_default_dtype(before)
     model.config.dtype = torch.float16
-    save_sparse(convert_model(model, "silu"), load_tokenizer("smollm2-135m"), out)  # any Llama tokenizer will do (prompts are random ids): the embedded default's
+    save_sparse(convert_model(model, "silu"), load_tokenizer(tokenizer), out)
     return out
 
 
@@ -145,6 +145,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=16, help="tokens per run")
     p.add_argument("--reps", type=int, default=3, help="repetitions per engine")
     p.add_argument("--work-dir", default="runs/bench/scale", help="where the random checkpoints are written (kept for reruns)")
+    p.add_argument("--tokenizer", default="smollm2-135m", help="the tokenizer the random checkpoints carry (any model spec or folder)")
     p.add_argument("--out", default=None, help="results name (default scale-t<threads>)")
     args = p.parse_args()
     env, bandwidth = setup(args.threads)
@@ -153,7 +154,7 @@ def main() -> None:
     context = args.prompt_tokens + args.new_tokens + 4
     rows = []
     for shape in args.shapes:
-        base = build_checkpoint(shape, work)
+        base = build_checkpoint(shape, work, args.tokenizer)
         params = sum(os.path.getsize(f) for f in base.glob("*.safetensors")) // 2
         elem = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}[args.dtype]
         alternate = 2 * params * elem < 0.5 * available_bytes()

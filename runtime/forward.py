@@ -99,20 +99,31 @@ class KVCache:
         self.length = n
 
 
-def attention(x: torch.Tensor, lw, shape: AttentionShape, layer: int, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H] normed input -> [B, T, H] attention output; writes keys/values of positions
-    cache.length .. cache.length + T - 1 (the caller advances cache.length after the last layer)."""
+def _project(x: torch.Tensor, lw, shape: AttentionShape, cos: torch.Tensor, sin: torch.Tensor):
+    """x [B, T, H] normed -> q [B, nh, T, hd], k, v [B, kvh, T, hd], rope applied with cos, sin [T, hd]."""
     B, T, _ = x.shape
     nh, kvh, hd = shape.heads, shape.kv_heads, shape.head_dim
     qkv = lw.qkv(x.reshape(B * T, -1)).view(B, T, nh + 2 * kvh, hd)
     q, k, v = qkv.split([nh, kvh, kvh], dim=2)  # [B, T, heads, hd]
     if lw.q_norm is not None:
         q, k = rms_norm(q, lw.q_norm, shape.eps), rms_norm(k, lw.k_norm, shape.eps)
+    return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, lw, shape: AttentionShape) -> torch.Tensor:
+    """q [B, nh, T, hd] over keys, values [B, kvh, S, hd] (mask [T, S] bool or None) -> o projection [B, T, H]."""
+    B, nh, T, hd = q.shape
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=hd**-0.5, enable_gqa=shape.kv_heads != nh)
+    return lw.o(out.transpose(1, 2).reshape(B * T, nh * hd)).view(B, T, -1)
+
+
+def attention(x: torch.Tensor, lw, shape: AttentionShape, layer: int, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H] normed input -> [B, T, H] attention output; writes keys/values of positions
+    cache.length .. cache.length + T - 1 (the caller advances cache.length after the last layer)."""
+    T = x.shape[1]
     start, end = cache.length, cache.length + T
-    q = apply_rope(q.transpose(1, 2), cos[start:end], sin[start:end])  # [B, nh, T, hd]
-    cache.k[layer, :, :, start:end] = apply_rope(k.transpose(1, 2), cos[start:end], sin[start:end])
-    cache.v[layer, :, :, start:end] = v.transpose(1, 2)
-    keys, values = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # [B, kvh, S, hd]
+    q, k, v = _project(x, lw, shape, cos[start:end], sin[start:end])
+    cache.k[layer, :, :, start:end], cache.v[layer, :, :, start:end] = k, v
     mask = None
     window = shape.windows[layer]
     if T > 1 or (window is not None and end > window):
@@ -121,8 +132,22 @@ def attention(x: torch.Tensor, lw, shape: AttentionShape, layer: int, cache: KVC
         mask = kpos <= qpos
         if window is not None:
             mask &= qpos - kpos < window
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=hd**-0.5, enable_gqa=kvh != nh)
-    return lw.o(out.transpose(1, 2).reshape(B * T, nh * hd)).view(B, T, -1)
+    return _attend(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], mask, lw, shape)
+
+
+def attention_at(x: torch.Tensor, lw, shape: AttentionShape, layer: int, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor,
+                 pos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+    """attention() of one row x [1, 1, H] at the position held in the tensor pos [1] (on x's device), over the cache's
+    first len(kpos) positions (kpos: their arange), masked beyond pos: shapes that do not change with the position,
+    so a captured CUDA graph replays it at any position below len(kpos) (runtime/graphs.py)."""
+    q, k, v = _project(x, lw, shape, cos.index_select(0, pos), sin.index_select(0, pos))
+    cache.k[layer].index_copy_(2, pos, k)
+    cache.v[layer].index_copy_(2, pos, v)
+    span = kpos.numel()
+    mask = kpos <= pos
+    if shape.windows[layer] is not None:
+        mask &= pos - kpos < shape.windows[layer]
+    return _attend(q, cache.k[layer, :, :, :span], cache.v[layer, :, :, :span], mask[None, :], lw, shape)
 
 
 def route(router: torch.Tensor, x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ computes the cold part in the engine's mode (the predictor's, the screen's or al
 kernels. Per layer (`HybridMLP`): the normed MLP input and the residual are copied to the CPU, the device's part is
 queued, the CPU computes the cold part meanwhile (a CUDA device runs its queue while the CPU works), and both are
 added into the residual on the device. A layer without cold neurons makes no copy, so a fully resident model decodes
-with no host round trip inside a step.
+with no host round trip inside a step. On CUDA a batch-1 decode step runs as replayed CUDA graphs (runtime/graphs.py).
 
 Below the CPU, the disk tier stays available: with `fast_memory` too (runtime/engine.py open_engine) the cold
 neurons come from a neuron store (runtime/store.py) whose plan ranks the device's neurons last (`cpu_plan`), so

@@ -53,6 +53,18 @@ class Meter:
         self.decode_computed = self.decode_slots = self.decode_fired = 0  # the neuron counts of decode steps alone
         self._mark = (0, 0, 0)  # the neuron totals when the last step closed
 
+    def scalars(self) -> dict:
+        """The counters held as Python numbers (what a replayed CUDA graph cannot add itself: runtime/graphs.py)."""
+        return {k: v for k, v in vars(self).items() if type(v) in (int, float)}
+
+    def add(self, counts: dict) -> None:
+        for k, v in counts.items():
+            setattr(self, k, getattr(self, k) + v)
+
+    def restore(self, counts: dict) -> None:
+        for k, v in counts.items():
+            setattr(self, k, v)
+
     def mlp(self, computed: int, slots: int, fired: int, weight_bytes: int) -> None:
         """A PyTorch or dense MLP over some rows: neurons computed, neurons it could have computed, neurons that fired."""
         self.neurons_computed += computed

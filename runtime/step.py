@@ -3,7 +3,7 @@
 Its paths share one layer loop (`_layers`): rows of ids [B, T] (prefill, scoring, batched decode) run every
 layer with PyTorch ops; one token of a batch-1 cache with native kernels runs the same loop over the row's buffers
 (runtime/decode.py NativeRow), or, when every MLP is a resident unit or a dense matrix pair, the whole loop as one
-native call (LeanStep). The MLP of every path is runtime/mlp.py's; the head is runtime/head.py's; the token of a
+native call (LeanStep); a hybrid engine's batch-1 decode step runs through runtime/graphs.py. The MLP of every path is runtime/mlp.py's; the head is runtime/head.py's; the token of a
 decode step is runtime/sampling.py's. One forward at a time per step (shared buffers).
 """
 
@@ -32,6 +32,11 @@ class Step:
             from sparseforge.runtime.hybrid import HybridMLP
 
             self.mlp = HybridMLP(model, meter, self.mlp)
+        self.graphs = None
+        if model.device_tier is not None:
+            from sparseforge.runtime.graphs import DeviceGraphs, graphs_wanted
+
+            self.graphs = DeviceGraphs(model, head, meter, self.mlp) if graphs_wanted(model.device) else None
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, logits_from: int = 0) -> torch.Tensor:
@@ -60,6 +65,12 @@ class Step:
         generator)` gives it (through the head screen where the head has one and the settings allow)."""
         if cache.batch != 1:
             raise SparseforgeError(f"decode takes a batch-1 cache, got {cache.batch} rows; use forward for several rows")
+        if self.row is None and self.graphs is not None:  # the hybrid tier's step as replayed device graphs
+            _check_room(cache, 1)
+            start = time.perf_counter()
+            logits = self.graphs.logits(int(token), cache)
+            self._close(1, 1, start, cache)
+            return choose(logits, config, generator)
         if self.row is None:
             return choose(self.forward(torch.tensor([[token]]), cache)[0, -1], config, generator)
         _check_room(cache, 1)

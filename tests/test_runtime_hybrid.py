@@ -167,3 +167,51 @@ def test_moe_is_refused(tmp_path_factory):
     ckpt, _, _ = profiled_checkpoint(tmp_path_factory.mktemp("hybrid-moe"), "mixtral")
     with pytest.raises(SparseforgeError, match="experts per layer; the hybrid device tier supports dense MLPs only"):
         Engine.load(ckpt, mode="oracle", context=32, progress=False, device="cpu", device_memory="50%")
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """A tiny Mistral dReLU checkpoint with a 6-token sliding window and a profile (no predictors)."""
+    from tiny import random_windows, tiny_model, tiny_tokenizer
+
+    from sparseforge.checkpoint import save_sparse
+    from sparseforge.predictors.profile import profile_model, save_profile
+    from sparseforge.sparsify.convert import convert_model
+
+    ckpt = tmp_path_factory.mktemp("windowed") / "sparse-mistral"
+    model = convert_model(tiny_model("mistral", sliding_window=6), "drelu")
+    save_sparse(model, tiny_tokenizer(), ckpt)
+    tensors, report = profile_model(model, random_windows(4, 32), tokens=128, batch_size=2, coact_tokens=16, block_size=8, progress=False)
+    save_profile(ckpt, tensors, report)
+    return ckpt
+
+
+def _generate(ckpt, mode, budget, graphs, monkeypatch, prompt, n=14):
+    """(tokens, decode stats) of a hybrid engine with its decode step eager or as device graphs."""
+    monkeypatch.setenv("SPARSEFORGE_DEVICE_GRAPHS", graphs)
+    with open_engine(ckpt, mode=mode, context=32, progress=False, device="cpu", device_memory=budget) as engine:
+        assert (engine.step.graphs is not None) == (graphs == "always")
+        tokens = list(engine.generate(prompt, GenerationConfig(max_new_tokens=n, stop_ids=())))
+        s = engine.stats()
+        return tokens, {k: s[k] for k in ("neurons_computed_fraction", "neurons_fired_fraction", "decode_neurons_computed_fraction",
+                             "decode_neurons_fired_fraction", "decode_tokens", "bytes_touched_per_decode_token")}
+
+
+@pytest.mark.parametrize("mode", ["oracle", "sparse"])
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_device_graph_decode_equals_the_eager_step(llama, windowed, mode, budget, monkeypatch):
+    """The segmented static-shape step (runtime/graphs.py, run as plain calls on the CPU) gives the eager step's
+    tokens and meter counts at every budget, across attention spans (SPAN_STEP 4) and a sliding window."""
+    from sparseforge.runtime import graphs
+
+    monkeypatch.setattr(graphs, "SPAN_STEP", 4)
+    prompt = _ids(1, 5, seed=3)[0].tolist()
+    for ckpt in (llama[1], windowed) if mode == "oracle" else (llama[1],):
+        eager = _generate(ckpt, mode, budget, "0", monkeypatch, prompt)
+        assert _generate(ckpt, mode, budget, "always", monkeypatch, prompt) == eager
+
+
+def test_device_graphs_setting_is_checked(llama, monkeypatch):
+    monkeypatch.setenv("SPARSEFORGE_DEVICE_GRAPHS", "yes")
+    with pytest.raises(SparseforgeError, match="SPARSEFORGE_DEVICE_GRAPHS='yes'; use 1"):
+        _hybrid(llama[1], "oracle", "25%")
