@@ -13,8 +13,9 @@ Each row trains with the real loop into `--work/<name>` and is scored with lm-ev
 trained weights (a dReLU model's plain forward is its exact-mask forward) on the local eval sets, plus the recipe's
 validation loss per source and the mean MLP zero fraction over the validation text. The original (dense) model is
 scored once as the reference row. "train min" is training compute: stage 1 plus the optimizer steps (model
-loading, validation and saves excluded). Finished rows are kept: the results file is rewritten after every row, and
-a re-run trains and scores only what is missing (a row whose settings changed is redone).
+loading, validation and saves excluded). Nothing measured is lost: the results file is rewritten after every row and
+every task scored (a row stopped while scoring is kept, marked partial), and a re-run trains and scores only what is
+missing (a partial row whose checkpoint is still there gets its other tasks; a row whose settings changed is redone).
 
     python benchmarks/recovery.py benchmarks/rows/recovery-cpu.yaml
 
@@ -127,15 +128,15 @@ def main(argv=None) -> int:
               "environment": env, "spec": spec, "rows": []}
     base = load_recipe(spec["recipe"], spec.get("common", []))
     key = _row_key(spec["recipe"], [], spec["score"])
-    if done.get("original", {}).get("key") == key:
+    write = (lambda: _write(out, result, spec, done))  # fmt: skip
+    if _complete(done.get("original"), key):
         result["rows"].append(done["original"])
     else:
         model, tokenizer, _ = load_model(base.model, dtype="float32")
         model.to(device)
-        result["rows"].append({"name": "original", "key": key, **validation(base, tokenizer, model, val_batch),
-                               "scores": score_model(model, tokenizer, spec["score"], task_dir, batch)})
+        row = _resume(done.get("original"), key) or {"name": "original", "key": key, **validation(base, tokenizer, model, val_batch)}
+        _score_row(row, result, model, tokenizer, spec["score"], task_dir, batch, write)
         del model
-    _write(out, result, spec, done)
     only = set(args.only.split(",")) if args.only else None
     for row in spec["rows"]:
         overrides = list(spec.get("common", [])) + list(row.get("set", [])) + [f"output_dir={work / row['name']}"]
@@ -144,11 +145,12 @@ def main(argv=None) -> int:
         key = _row_key(spec["recipe"], overrides, spec["score"])
         if only is not None and row["name"] not in only:  # not asked for: _write keeps its previous result, if any
             continue
-        if only is None and done.get(row["name"], {}).get("key") == key:
+        if only is None and _complete(done.get(row["name"]), key):
             continue
         recipe = load_recipe(spec["recipe"], overrides)
         ckpt = Path(recipe.output_dir) / "checkpoint"
-        if not _trained(recipe, ckpt):
+        retrained = not _trained(recipe, ckpt)
+        if retrained:
             import shutil
 
             shutil.rmtree(recipe.output_dir, ignore_errors=True)
@@ -162,17 +164,43 @@ def main(argv=None) -> int:
         start = next((m["val_loss"] for m in metrics if m.get("step") == 0 and "val_loss" in m and "reference" not in m), None)
         model = load_sparse(ckpt).to(device)
         tokenizer = load_model(str(ckpt))[1]
-        result["rows"].append({"name": row["name"], "key": key, "set": row.get("set", []), "start": row.get("start"),
-                               "train_seconds": seconds, "layerwise_seconds": layerwise["seconds"] if layerwise else 0.0,
-                               "trained_tokens": model.config.sparsity.get("trained_tokens", 0),
-                               "layerwise_tokens": model.config.sparsity.get("layerwise_tokens", 0),
-                               # validation loss after stage 1, and where the end-to-end steps start (after thresholds)
-                               "val_loss_after_stage1": layerwise["val_loss_after"] if layerwise else None, "val_loss_start": start,
-                               **validation(recipe, tokenizer, model, val_batch), "scores": score_model(model, tokenizer, spec["score"], task_dir, batch)})
+        entry = (None if retrained else _resume(done.get(row["name"]), key)) or {
+            "name": row["name"], "key": key, "set": row.get("set", []), "start": row.get("start"),
+            "train_seconds": seconds, "layerwise_seconds": layerwise["seconds"] if layerwise else 0.0,
+            "trained_tokens": model.config.sparsity.get("trained_tokens", 0),
+            "layerwise_tokens": model.config.sparsity.get("layerwise_tokens", 0),
+            # validation loss after stage 1, and where the end-to-end steps start (after thresholds)
+            "val_loss_after_stage1": layerwise["val_loss_after"] if layerwise else None, "val_loss_start": start,
+            **validation(recipe, tokenizer, model, val_batch)}  # fmt: skip
+        _score_row(entry, result, model, tokenizer, spec["score"], task_dir, batch, write)
         del model
-        print(table(_write(out, result, spec, done)), flush=True)
+        print(table(result | {"rows": [entry]}), flush=True)
     print(table(_write(out, result, spec, done)))
     return 0
+
+
+def _complete(row: dict | None, key: str) -> bool:
+    """A previous result of this row with these settings and every task scored."""
+    return row is not None and row.get("key") == key and not row.get("partial")
+
+
+def _resume(row: dict | None, key: str) -> dict | None:
+    """A partial previous result with these settings (trained and validated, some tasks scored), to finish."""
+    return row if row is not None and row.get("key") == key and row.get("partial") else None
+
+
+def _score_row(row: dict, result: dict, model, tokenizer, score: dict, task_dir: Path, batch: int, write) -> None:
+    """Add `row` to the results, then score its missing tasks one by one; the file is written after each (a row
+    stopped while scoring keeps its validation and the tasks it finished, marked partial, and a re-run scores the rest)."""
+    row["scores"], row["partial"] = dict(row.get("scores", {})), True
+    result["rows"].append(row)
+    write()
+    for task, limit in score.items():
+        if task not in row["scores"]:
+            row["scores"] |= score_model(model, tokenizer, {task: limit}, task_dir, batch)
+            write()
+    del row["partial"]
+    write()
 
 
 def _write(out: Path, result: dict, spec: dict, done: dict) -> dict:
@@ -197,9 +225,9 @@ def table(result: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + " |"]
     for row in result["rows"]:
         val = "/".join(f"{v:.3f}" for v in row["val_loss"].values())
-        cells = [row["name"], row.get("start") or "", " ".join(row.get("set", [])), val, f"{row['mlp_zero_fraction']:.1%}"]
+        cells = [row["name"] + (" (partial)" if row.get("partial") else ""), row.get("start") or "", " ".join(row.get("set", [])), val, f"{row['mlp_zero_fraction']:.1%}"]
         for t in tasks:
-            v = row["scores"][t].get(MAIN_METRIC.get(t, "acc"))
+            v = row["scores"].get(t, {}).get(MAIN_METRIC.get(t, "acc"))
             cells.append("" if v is None else f"{v:.2f}" if t == "wikitext" else f"{v:.3f}")
         cells.append(f"{row.get('train_seconds', 0) / 60:.1f}" if "train_seconds" in row else "")
         lines.append("| " + " | ".join(cells) + " |")

@@ -46,8 +46,11 @@ class DeviceGraphs:
         self.bounds = list(zip(starts, cold + [len(layers) - 1]))  # segment k: layers a..b (the last may hold none)
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.x = [torch.zeros(1, 1, hidden, device=dev) for _ in self.bounds]  # segment k's input residual (k > 0)
-        self.cold = torch.zeros(1, 1, hidden, device=dev)  # the CPU's part of the layer that ended the last segment
+        # segment k's inputs (k > 0; each segment writes the next one's, never its own, so a rerun is the same run):
+        # the residual after the attention of the layer that ended segment k - 1, and that layer's hot part
+        self.x = [torch.zeros(1, 1, hidden, device=dev) for _ in self.bounds]
+        self.hot = [torch.zeros(1, 1, hidden, device=dev) for _ in self.bounds]
+        self.cold = torch.zeros(1, 1, hidden, device=dev)  # its cold part, from the CPU (added before the hot one, as eagerly)
         self.stage = torch.zeros(2, hidden, device=dev)  # that layer's [normed MLP input, residual] for the CPU
         self.stage_host = torch.zeros(2, hidden, pin_memory=self.cuda)
         self.cold_host = torch.zeros(1, hidden, pin_memory=self.cuda)
@@ -56,6 +59,12 @@ class DeviceGraphs:
         self.kpos = {}  # span -> arange(span) on the device
 
     def logits(self, token: int, cache) -> torch.Tensor:
+        if self.cuda:  # streams and graphs belong to the current device: make it this one
+            with torch.cuda.device(self.model.device):
+                return self._logits(token, cache)
+        return self._logits(token, cache)
+
+    def _logits(self, token: int, cache) -> torch.Tensor:
         n = cache.length
         span = min(cache.context, -(-(n + 1) // SPAN_STEP) * SPAN_STEP)
         self.tok.fill_(token)
@@ -78,8 +87,9 @@ class DeviceGraphs:
     def _segment_graph(self, cache, span: int, k: int):
         """Segment k's (replay, meter counts) at `span` for `cache`, captured when first asked for (with its inputs
         of this step in place, so the capture's eager run writes the cache position the replay then writes again)."""
-        key = (cache.k.data_ptr(), cache.v.data_ptr())
-        if key != self.cache_key:  # graphs hold the cache's addresses (not the cache: a cache allocated where a freed one was reuses them)
+        key = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (cache.k, cache.v))
+        if key != self.cache_key:  # graphs hold the cache's addresses and layout (not the cache: a cache of the same layout
+            # allocated where a freed one was reuses them; runtime/generate.py sizes a graphed engine's caches alike)
             self.cache_key, self.segments = key, {}
         if (span, k) not in self.segments:
             if span not in self.kpos:  # kept: a graph reads it at every replay
@@ -91,20 +101,21 @@ class DeviceGraphs:
         """Layers a..b of segment k from static buffers to static buffers; the logits [1, V] for the last segment."""
         m, (a, b) = self.model, self.bounds[k]
         eps, last = m.config.rms_norm_eps, k == len(self.bounds) - 1
-        x = m.weights.embed_ids(self.tok) if k == 0 else self.x[k] + self.cold
+        x = m.weights.embed_ids(self.tok) if k == 0 else self.x[k] + self.cold + self.hot[k]
         for i in range(a, b + 1):
             lw = m.weights.layers[i]
             x = x + attention_at(rms_norm(x, lw.input_norm, eps), lw, m.shape, i, cache, m.cos, m.sin, self.pos, kpos)
             resid = x.view(1, -1)
             xn = rms_norm(resid, lw.post_norm, eps)
-            if i == b and not last:  # this layer's cold neurons are the CPU's: hand it the inputs
-                self.stage.copy_(torch.cat([xn, resid]))
             unit = lw.units[0]
-            if unit.hot.numel():
-                x = x + self.hybrid._hot(i, unit, xn).view(1, 1, -1)
-        if not last:
-            self.x[k + 1].copy_(x)
-            return None
+            y = self.hybrid._hot(i, unit, xn).view(1, 1, -1) if unit.hot.numel() else None
+            if i == b and not last:  # this layer's cold neurons are the CPU's: hand it the inputs, keep the hot part apart
+                self.stage.copy_(torch.cat([xn, resid]))
+                self.x[k + 1].copy_(x)
+                self.hot[k + 1].copy_(y) if y is not None else self.hot[k + 1].zero_()
+                return None
+            if y is not None:
+                x = x + y
         return self.head.logits(rms_norm(x.view(1, -1), m.weights.final_norm, eps))
 
     def _capture(self, fn):
@@ -112,31 +123,32 @@ class DeviceGraphs:
         stays out of the graph), then captured as a CUDA graph; elsewhere the replay is fn itself with its counts
         undone, so both devices account the same way (logits adds `counts` at each replay)."""
         before, fired = self.meter.scalars(), self.meter.device_fired.clone()
-        if self.cuda:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+        try:
+            if self.cuda:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    fn()
+                torch.cuda.current_stream().wait_stream(side)
+            else:
                 fn()
-            torch.cuda.current_stream().wait_stream(side)
-        else:
-            fn()
-        counts = {k: v - before[k] for k, v in self.meter.scalars().items()}
-        if self.cuda:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = fn()
+            counts = {k: v - before[k] for k, v in self.meter.scalars().items()}
+            if self.cuda:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = fn()
 
-            def replay():
-                graph.replay()
-                return out
-        else:
+                def replay():
+                    graph.replay()
+                    return out
+            else:
 
-            def replay():
-                mark = self.meter.scalars()
-                result = fn()
-                self.meter.restore(mark)
-                return result
-
-        self.meter.restore(before)
-        self.meter.device_fired.copy_(fired)
+                def replay():
+                    mark = self.meter.scalars()
+                    result = fn()
+                    self.meter.restore(mark)
+                    return result
+        finally:
+            self.meter.restore(before)
+            self.meter.device_fired.copy_(fired)
         return replay, counts

@@ -48,3 +48,36 @@ def test_zero_fraction_counts_every_activation_at_any_batch():
     assert 0 < expected < 1
     for batch in (1, 2, 8):
         assert abs(rec.zero_fraction(model, val, batch) - expected) < 1e-12
+
+
+def test_a_row_stopped_while_scoring_is_kept_partial_and_finished_later(tmp_path, monkeypatch):
+    rec = load_script("recovery")
+    spec = {"recipe": "r.yaml", "score": {"piqa": 10, "arc_easy": 10, "wikitext": 2}, "rows": [{"name": "a"}]}
+    scored = []
+
+    def score(model, tokenizer, score, task_dir, batch):
+        (task,) = score
+        if task == "wikitext" and len(scored) < 3:
+            raise KeyboardInterrupt  # the run is stopped here, once
+        scored.append(task)
+        return {task: {"acc": 0.5, "n": score[task]}}
+
+    monkeypatch.setattr(rec, "score_model", score)
+    out, done = tmp_path / "out", {}
+    result = {"command": "c", "spec": spec, "rows": []}
+    row = {"name": "a", "key": "k", "val_loss": {"web": 1.0}, "mlp_zero_fraction": 0.8}
+    try:
+        rec._score_row(row, result, None, None, spec["score"], tmp_path, 1, lambda: rec._write(out, result, spec, done))
+    except KeyboardInterrupt:
+        pass
+    kept = json.loads(out.with_suffix(".json").read_text())["rows"][0]
+    assert kept["partial"] and set(kept["scores"]) == {"piqa", "arc_easy"} and kept["val_loss"] == {"web": 1.0}
+    assert "a (partial)" in out.with_suffix(".md").read_text()
+    assert not rec._complete(kept, "k") and rec._resume(kept, "k") is kept and rec._resume(kept, "other") is None
+    scored.append("stop")  # the next run is not stopped
+    done = {"a": kept}
+    result = {"command": "c", "spec": spec, "rows": []}
+    rec._score_row(rec._resume(kept, "k"), result, None, None, spec["score"], tmp_path, 1, lambda: rec._write(out, result, spec, done))
+    final = json.loads(out.with_suffix(".json").read_text())["rows"][0]
+    assert "partial" not in final and set(final["scores"]) == {"piqa", "arc_easy", "wikitext"} and rec._complete(final, "k")
+    assert scored == ["piqa", "arc_easy", "stop", "wikitext"]  # only the missing task was scored again
