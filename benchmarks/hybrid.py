@@ -11,6 +11,8 @@ process, alternating, medians.
 
 The project's device engines decode through CUDA graphs (runtime/graphs.py) unless SPARSEFORGE_DEVICE_GRAPHS=0;
 --eager-budgets adds engines with the eager step at those budgets, so the graphs' effect is measured in the same run.
+Each of the project's engines is checked for the CPU engine's greedy tokens in every repetition (equal by design with
+exact masks, --mode oracle, on a dReLU checkpoint; random SwiGLU shapes compute every neuron there).
 
 The random shapes keep scale.py's checkpoints (SwiGLU kept, float16, a predictor selecting a fixed (1 - sparsity)
 fraction of each layer's neurons) and get a profile whose firing counts are random: the device's hot set is chosen
@@ -75,9 +77,16 @@ class Ours:
         from sparseforge.runtime.engine import GenerationConfig
 
         self.engine.reset_stats()
-        prefill, tps, _ = time_stream(self.engine.generate(ids, GenerationConfig(max_new_tokens=n, stop_ids=())))
+        tokens = []
+
+        def stream():
+            for token in self.engine.generate(ids, GenerationConfig(max_new_tokens=n, stop_ids=())):
+                tokens.append(token)
+                yield token
+
+        prefill, tps, _ = time_stream(stream())
         s = self.engine.stats()
-        return {"prefill_s": prefill, "decode_tps": tps, "computed": s["decode_neurons_computed_fraction"]}
+        return {"prefill_s": prefill, "decode_tps": tps, "computed": s["decode_neurons_computed_fraction"], "tokens": tokens}
 
     def close(self):
         del self.engine
@@ -115,6 +124,9 @@ def summarize(contestants: list, runs: dict, label: str, args) -> list[dict]:
         rows.append({"model": label, "engine": c.name, "budget": c.budget, "device_bytes": c.device_bytes, "hot_fraction": c.hot_fraction,
                      "decode_tps": median([x["decode_tps"] for x in r]), "prefill_tps": args.prompt_tokens / median([x["prefill_s"] for x in r]),
                      "neurons_computed": median([x["computed"] for x in r]), "decode_all": [x["decode_tps"] for x in r]})  # fmt: skip
+    for c, row in zip(contestants, rows):  # greedy tokens: equal to the CPU engine's with exact masks (--mode oracle)
+        theirs = [x.get("tokens") for x in runs[id(c)]]
+        row["tokens_as_cpu_engine"] = None if None in theirs else theirs == [x["tokens"] for x in runs[id(contestants[0])]]
     cpu = rows[0]["decode_tps"]
     full = next((r["decode_tps"] for r in rows if r["engine"].startswith("HF") and r["budget"] is None), None)
     for row in rows:
@@ -191,7 +203,8 @@ def main() -> None:
     args.dtype = args.dtype or ("float16" if args.shapes else "float32")
     cols = [("model", "model", ""), ("engine", "engine", ""), ("device_bytes", "device bytes", ","), ("hot_fraction", "MLP neurons on device", ".2f"),
             ("decode_tps", "decode tok/s", ".2f"), ("vs_cpu_engine", "÷ CPU engine", ".2f"), ("vs_hf_offload", "÷ HF offload", ".1f"),
-            ("vs_hf_on_device", "÷ HF on device", ".2f"), ("neurons_computed", "neurons computed", ".3f"), ("prefill_tps", "prefill tok/s", ".1f")]  # fmt: skip
+            ("vs_hf_on_device", "÷ HF on device", ".2f"), ("neurons_computed", "neurons computed", ".3f"), ("tokens_as_cpu_engine", "CPU engine's tokens", ""),
+            ("prefill_tps", "prefill tok/s", ".1f")]  # fmt: skip
     name = args.out or f"hybrid-{args.device.replace(':', '')}-{'-'.join(args.shapes) or 'ckpt'}-t{args.threads}"
     finished: list[dict] = []
 
