@@ -24,6 +24,7 @@ offload and HF on the device run on CUDA only. Writes benchmarks/results/hybrid-
 import argparse
 import gc
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -31,6 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_CKPT, markdown_table, median, setup, time_stream, write_results  # noqa: E402
 from scale import SHAPES, build_checkpoint, with_sparsity  # noqa: E402
+
+T0 = time.perf_counter()  # progress lines carry the seconds since the start
 
 
 def random_profile(ckpt: Path, seed: int = 0) -> None:
@@ -150,6 +153,7 @@ def sweep(ckpt: Path, label: str, args, report) -> list[dict]:
         for b in args.hf_budgets:
             plan = device_plan(ckpt, b, args.dtype, args.context)
             contestants.append(HF(ckpt, args.dtype, args.device, plan["budget_bytes"] - plan["always_touched"]["kv_cache"], b))
+    print(f"[{time.perf_counter() - T0:.0f} s] {label}: {len(contestants)} engines loaded", file=sys.stderr, flush=True)
     ids = torch.randint(3, 30000, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     runs = {id(c): [] for c in contestants}
     for c in contestants:
@@ -158,7 +162,8 @@ def sweep(ckpt: Path, label: str, args, report) -> list[dict]:
     for rep in range(args.reps):
         for c in contestants:
             runs[id(c)].append(c.run(ids, args.new_tokens))
-            print(f"{label} rep {rep}: {c.name}: {runs[id(c)][-1]['decode_tps']:.2f} tok/s", file=sys.stderr, flush=True)
+            print(f"[{time.perf_counter() - T0:.0f} s] {label} rep {rep}: {c.name}: {runs[id(c)][-1]['decode_tps']:.2f} tok/s",
+                  file=sys.stderr, flush=True)  # fmt: skip
         rows = summarize(contestants, runs, label, args)
         report(rows)  # every finished repetition is written: a run stopped early keeps what it measured
     for c in contestants:
