@@ -56,20 +56,12 @@ class Ours:
     """The project's engine: the hybrid tier at one device budget, or (budget None) the CPU engine."""
 
     def __init__(self, ckpt, mode, dtype, context, threads, device=None, budget=None, eager=False):
-        import os
-
         from sparseforge.runtime.engine import Engine
 
-        saved = os.environ.get("SPARSEFORGE_DEVICE_GRAPHS")
-        os.environ["SPARSEFORGE_DEVICE_GRAPHS"] = "0" if eager else (saved or "1")  # read when the engine is loaded
-        try:
-            self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False,
-                                      device=device if budget else None, device_memory=budget)  # fmt: skip
-        finally:
-            if saved is None:
-                del os.environ["SPARSEFORGE_DEVICE_GRAPHS"]
-            else:
-                os.environ["SPARSEFORGE_DEVICE_GRAPHS"] = saved
+        self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False,
+                                  device=device if budget else None, device_memory=budget)  # fmt: skip
+        if eager:  # the step without device graphs (what SPARSEFORGE_DEVICE_GRAPHS=0 loads)
+            self.engine.step.graphs = None
         self.budget = budget
         self.name = f"sparseforge {mode} {dtype}, " + (f"{device} {budget} MLP" + (", eager step" if eager else "") if budget else "CPU engine")
         tier = self.engine.stats().get("device")

@@ -27,10 +27,7 @@ def generate(engine, prompt_ids, config: GenerationConfig | None = None) -> Iter
     stop = set(engine.stop_ids() if config.stop_ids is None else config.stop_ids)
     generator = make_generator(config.seed)
     room = min(engine.context, ids.shape[1] + config.max_new_tokens)  # positions this request can fill
-    # a cache sized to the request; with device graphs (runtime/graphs.py) one of the engine's context, whose layout
-    # every request shares, so the graphs captured for one serve the next
-    graphed = getattr(getattr(engine, "step", None), "graphs", None) is not None  # engines without a Step (eval's HF one) have none
-    cache = engine.new_cache(1, engine.context if graphed else room)
+    cache = engine.new_cache(1, room)
     token = choose(engine.forward(ids, cache, logits_from=-1)[0, -1], config, generator)
     for step in range(config.max_new_tokens):
         yield token

@@ -69,6 +69,10 @@ class DeviceGraphs:
         span = min(cache.context, -(-(n + 1) // SPAN_STEP) * SPAN_STEP)
         self.tok.fill_(token)
         self.pos.fill_(n)
+        key = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (cache.k, cache.v))
+        if key != self.cache_key:  # graphs hold the cache's addresses and layout (not the cache: a cache of the same
+            # layout allocated where a freed one was reuses them, as Engine.new_cache's batch-1 caches do)
+            self.cache_key, self.segments = key, {}
         last = len(self.bounds) - 1
         for k in range(last + 1):
             run, counts = self._segment_graph(cache, span, k)
@@ -87,10 +91,6 @@ class DeviceGraphs:
     def _segment_graph(self, cache, span: int, k: int):
         """Segment k's (replay, meter counts) at `span` for `cache`, captured when first asked for (with its inputs
         of this step in place, so the capture's eager run writes the cache position the replay then writes again)."""
-        key = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (cache.k, cache.v))
-        if key != self.cache_key:  # graphs hold the cache's addresses and layout (not the cache: a cache of the same layout
-            # allocated where a freed one was reuses them; runtime/generate.py sizes a graphed engine's caches alike)
-            self.cache_key, self.segments = key, {}
         if (span, k) not in self.segments:
             if span not in self.kpos:  # kept: a graph reads it at every replay
                 self.kpos[span] = torch.arange(span, device=self.model.device)

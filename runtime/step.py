@@ -3,8 +3,8 @@
 Its paths share one layer loop (`_layers`): rows of ids [B, T] (prefill, scoring, batched decode) run every
 layer with PyTorch ops; one token of a batch-1 cache with native kernels runs the same loop over the row's buffers
 (runtime/decode.py NativeRow), or, when every MLP is a resident unit or a dense matrix pair, the whole loop as one
-native call (LeanStep); a hybrid engine's batch-1 decode step runs through runtime/graphs.py. The MLP of every path is runtime/mlp.py's; the head is runtime/head.py's; the token of a
-decode step is runtime/sampling.py's. One forward at a time per step (shared buffers).
+native call (LeanStep); a hybrid engine's batch-1 decode step runs through runtime/graphs.py. The MLP of every
+path is runtime/mlp.py's; the head is runtime/head.py's; the token of a decode step is runtime/sampling.py's. One forward at a time per step (shared buffers).
 """
 
 import time
@@ -28,14 +28,12 @@ class Step:
         self.model, self.head, self.meter = model, head, meter
         self.mlp = SparseMLP(model, meter)
         self.row = NativeRow(model, meter) if model.native and model.device_tier is None else None
+        self.graphs = None  # runtime/graphs.py DeviceGraphs: a hybrid engine's batch-1 decode step
         if model.device_tier is not None:  # hot neurons on the device, cold ones through SparseMLP on the CPU
+            from sparseforge.runtime.graphs import DeviceGraphs, graphs_wanted
             from sparseforge.runtime.hybrid import HybridMLP
 
             self.mlp = HybridMLP(model, meter, self.mlp)
-        self.graphs = None
-        if model.device_tier is not None:
-            from sparseforge.runtime.graphs import DeviceGraphs, graphs_wanted
-
             self.graphs = DeviceGraphs(model, head, meter, self.mlp) if graphs_wanted(model.device) else None
 
     @torch.inference_mode()
@@ -65,7 +63,7 @@ class Step:
         generator)` gives it (through the head screen where the head has one and the settings allow)."""
         if cache.batch != 1:
             raise SparseforgeError(f"decode takes a batch-1 cache, got {cache.batch} rows; use forward for several rows")
-        if self.row is None and self.graphs is not None:  # the hybrid tier's step as replayed device graphs
+        if self.graphs is not None:  # the hybrid tier's step as replayed device graphs
             _check_room(cache, 1)
             start = time.perf_counter()
             logits = self.graphs.logits(int(token), cache)

@@ -194,7 +194,8 @@ def _generate(ckpt, mode, budget, graphs, monkeypatch, prompt, n=14):
         tokens = list(engine.generate(prompt, GenerationConfig(max_new_tokens=n, stop_ids=())))
         s = engine.stats()
         assert list(engine.generate(prompt, GenerationConfig(max_new_tokens=n, stop_ids=()))) == tokens  # graphs kept or recaptured
-        cache = engine.new_cache(1, 24)  # another cache layout: its own graphs
+        cache = engine.new_cache(1, 24)  # another cache (a graphed engine's always have its context): its graphs
+        assert cache.context == (32 if graphs == "always" else 24)
         token = int(engine.forward(torch.tensor([prompt]), cache, logits_from=-1)[0, -1].argmax())
         tokens.append([token := engine.decode(token, cache, GenerationConfig(), torch.Generator()) for _ in range(4)])
         return tokens, {k: s[k] for k in ("neurons_computed_fraction", "neurons_fired_fraction", "decode_neurons_computed_fraction",
