@@ -161,8 +161,19 @@ def test_kl_only_logs_the_lm_loss_it_does_not_train_on(workspace, tmp_path):
     train(_recipe(workspace, tmp_path / "kl", max_steps=2, eval_every=0, save_every=0, distill_kl=1.0, lm_weight=0.0), progress=False)
     steps = [l for l in _losses(tmp_path / "kl")[1] if "loss" in l]
     assert all(s["loss"] > 0 and s["distill_kl"] >= 0 for s in steps)
-    with pytest.raises(SparseforgeError, match="must be >= 0 and not both 0"):
+    with pytest.raises(SparseforgeError, match="must be >= 0 and not all 0"):
         _recipe(workspace, tmp_path / "x", distill_kl=0.0, lm_weight=0.0)
+
+
+def test_feature_distillation_trains_towards_the_teachers_layers(workspace, tmp_path):
+    """distill_hidden alone (no CE, no KL) is a loss the loop can train on: logged every step, and it falls."""
+    recipe = _recipe(workspace, tmp_path / "feat", max_steps=4, eval_every=0, save_every=0, lr=3e-3,
+                     distill_hidden=1.0, distill_kl=0.0, lm_weight=0.0)
+    train(recipe, progress=False)
+    feats = [l["distill_hidden"] for l in _losses(tmp_path / "feat")[1] if "loss" in l]
+    assert len(feats) == 4 and all(f > 0 for f in feats) and feats[-1] < feats[0]
+    with pytest.raises(SparseforgeError, match=r"distill_hidden \(-1.0\)"):
+        _recipe(workspace, tmp_path / "x", distill_hidden=-1.0)
 
 
 def test_numbers_written_any_way_are_accepted(workspace, tmp_path):

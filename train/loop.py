@@ -39,7 +39,7 @@ from sparseforge.sparsify.threshold import THRESHOLDS_FILE_VERSION
 from sparseforge.train.hooks import ActivationHooks
 from sparseforge.train.layerwise import LayerwiseSettings, distill_layerwise
 from sparseforge.train.mixture import build_mixture, validation_windows
-from sparseforge.train.objective import Objective, model_validation_loss, teacher_outputs, validation_loss
+from sparseforge.train.objective import LayerTap, Objective, model_validation_loss, teacher_outputs, validation_loss
 from sparseforge.train.recipe import Recipe
 from sparseforge.train.schedules import lr_multiplier, ramp
 from sparseforge.train.thresholds import set_thresholds
@@ -60,12 +60,12 @@ logging.getLogger("accelerate.utils.other").addFilter(_TiedHeadNote())
 def _models(r: Recipe):
     """(student sparse model, tokenizer, dense teacher or None)."""
     model, tokenizer, _ = load_model(r.model, dtype="float32")
-    needs_teacher = r.distill_kl > 0 or r.layerwise_tokens > 0 or any("generated" in s for s in r.sources.values())
+    needs_teacher = r.distill_kl > 0 or r.distill_hidden > 0 or r.layerwise_tokens > 0 or any("generated" in s for s in r.sources.values())
     if is_sparse(model.config):
         carry_source(model.config, r.model)
         teacher = load_model(r.teacher, dtype="float32")[0] if needs_teacher and r.teacher else None
         if needs_teacher and teacher is None:
-            raise SparseforgeError("distill_kl, layerwise_tokens and generated sources need a dense teacher: set recipe key 'teacher' (model is already sparse)")
+            raise SparseforgeError("distill_kl, distill_hidden, layerwise_tokens and generated sources need a dense teacher: set recipe key 'teacher' (model is already sparse)")
         return model, tokenizer, teacher
     teacher = load_model(r.teacher, dtype="float32")[0] if r.teacher else (copy.deepcopy(model) if needs_teacher else None)
     thresholds = [r.threshold] * model.config.num_hidden_layers if r.threshold is not None else None
@@ -279,7 +279,7 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
         if record is not None:
             log.write(record)
             val_loss_now = val_loss_now if stage1_thresholds else None  # thresholds set after stage 1 changed the model: measure again
-    if r.distill_kl == 0:
+    if r.distill_kl == 0 and r.distill_hidden == 0:
         teacher = None
     elif teacher is not None:
         teacher.to(settings["teacher_dtype"])
@@ -291,7 +291,8 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     hooks = ActivationHooks(model, collect_l1=r.l1_coef > 0)
     params = _freeze(model, r.trainable)
     zero3 = accelerator.state.deepspeed_plugin is not None and accelerator.state.deepspeed_plugin.zero_stage == 3
-    objective = Objective(model, r.lm_weight, r.distill_kl, r.distill_temperature, fused=not zero3)
+    objective = Objective(model, r.lm_weight, r.distill_kl, r.distill_temperature, fused=not zero3, hidden_weight=r.distill_hidden)
+    teacher_tap = LayerTap(teacher) if teacher is not None and r.distill_hidden else None
     optimizer = torch.optim.AdamW(params, lr=r.lr, betas=tuple(r.betas), weight_decay=r.weight_decay,
                                   **({"fused": True} if settings["fused_adamw"] else {}))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, r.warmup_steps, r.max_steps, r.min_lr_ratio))
@@ -315,7 +316,7 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     objective.train()
     bar = tqdm(total=r.max_steps, initial=step, desc="train", unit="step", disable=not (progress and main))
     started = time.perf_counter()
-    sums_since_log = torch.zeros(3, device=accelerator.device)  # CE, KL, L1 summed over micro-steps: read at log steps only
+    sums_since_log = torch.zeros(4, device=accelerator.device)  # CE, KL, L1, feature loss summed over micro-steps: read at log steps only
     micro_since_log, logged_at, logged_step, paused = 0, time.perf_counter(), step, 0.0  # paused: validation and saves
     while step < r.max_steps:
         if stop_after is not None and step >= stop_after:
@@ -328,12 +329,11 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
             batch = torch.from_numpy(mixture.next_batch(r.micro_batch_size * world)[rank * r.micro_batch_size : (rank + 1) * r.micro_batch_size])
             ids = (batch.pin_memory() if pin else batch).to(accelerator.device, non_blocking=True)  # [B, S]
             with accelerator.accumulate(objective):
-                t_hidden, t_weight = teacher_outputs(teacher, ids) if teacher is not None else (None, None)
-                loss, ce, kl = objective(ids, t_hidden, t_weight)
+                loss, ce, kl, feat = objective(ids, *(teacher_outputs(teacher, ids, teacher_tap) if teacher is not None else ()))
                 l1 = hooks.pop_l1()
                 if l1 is not None:
                     loss = loss + l1_weight * l1
-                sums_since_log += torch.stack([ce, kl, l1.detach() if l1 is not None else torch.zeros_like(ce)]).float()
+                sums_since_log += torch.stack([ce, kl, l1.detach() if l1 is not None else torch.zeros_like(ce), feat]).float()
                 accelerator.backward(loss)
                 grad_norm = accelerator.clip_grad_norm_(objective.parameters(), r.grad_clip) if accelerator.sync_gradients and r.grad_clip > 0 else None
                 optimizer.step()
@@ -343,7 +343,7 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
         step += 1
         bar.update(1)
         if step % r.log_every == 0 or step == r.max_steps:
-            ce_mean, kl_mean, l1_mean = (sums_since_log / micro_since_log).tolist()  # the one host sync of a logged step
+            ce_mean, kl_mean, l1_mean, feat_mean = (sums_since_log / micro_since_log).tolist()  # the one host sync of a logged step
             step_seconds = (time.perf_counter() - logged_at - paused) / (step - logged_step)
             sums_since_log.zero_()
             micro_since_log = 0
@@ -355,7 +355,7 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
             if grad_norm is not None:
                 record["grad_norm"] = float(grad_norm)
             if teacher is not None:
-                record["distill_kl"] = kl_mean
+                record.update(distill_kl=kl_mean, **({"distill_hidden": feat_mean} if r.distill_hidden else {}))
             if r.l1_coef > 0:
                 record.update(l1=l1_mean, l1_weight=l1_weight)
             if r.swap_steps:

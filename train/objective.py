@@ -3,8 +3,10 @@
 used inside the forward, never outside it).
 
 The loss is train/losses.py's: cross-entropy plus KL from the teacher, from final hidden states, chunked over
-tokens. The teacher runs outside (frozen, no grad, in its own dtype) and hands in its final hidden states
-and output embeddings. Under DeepSpeed ZeRO-3, whose partitioned weights exist only inside their own
+tokens, plus (recipe key `distill_hidden`) feature distillation: each decoder layer's output pulled towards the
+teacher's, as a squared error relative to the teacher's (SquareHead distillation of sparse fine-tuning, normalized
+per token). The teacher runs outside (frozen, no grad, in its own dtype) and hands in its final hidden
+states, output embeddings and, for feature distillation, its layer outputs. Under DeepSpeed ZeRO-3, whose partitioned weights exist only inside their own
 module's forward, the loss is computed from full logits instead (`fused=False`).
 """
 
@@ -26,31 +28,85 @@ def final_hidden(causal_lm, ids: torch.Tensor) -> torch.Tensor:
     return run_layers(causal_lm, ids).flatten(0, 1)
 
 
-class Objective(nn.Module):
-    """forward(ids, teacher hidden, teacher weight) -> (loss, ce, kl); forward(ids) under evaluate=True -> (CE sum, count)."""
+class LayerTap:
+    """Each decoder layer's output [B*S, H] of the forwards run under `with tap:`. The hooks are registered once
+    (a compiled stack keeps its graph) and record only inside the block (not in a checkpointed layer's recompute)."""
 
-    def __init__(self, model, ce_weight: float, kl_weight: float, temperature: float, chunk: int = 1024, fused: bool = True):
+    def __init__(self, causal_lm):
+        self.outputs: list[torch.Tensor] = []
+        self.active = False
+        for layer in causal_lm.model.layers:
+            layer.register_forward_hook(self._record)
+
+    def _record(self, module, args, out) -> None:
+        if self.active:
+            self.outputs.append((out[0] if isinstance(out, tuple) else out).flatten(0, 1))
+
+    def __enter__(self) -> "LayerTap":
+        self.outputs, self.active = [], True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.active = False
+
+    def take(self) -> list[torch.Tensor]:
+        out, self.outputs = self.outputs, []
+        return out
+
+
+def hidden_loss(student: list[torch.Tensor], teacher: list[torch.Tensor]) -> torch.Tensor:
+    """Feature distillation: per decoder layer and token |student - teacher|^2 / |teacher|^2, in float32, averaged
+    over tokens and layers. Per token, because the stream of a window's first token is ~100x the others' (an
+    attention sink): a ratio of sums over the batch would measure little else."""
+    terms = [((s.float() - t.float()).pow(2).sum(-1) / t.float().pow(2).sum(-1).clamp_min(1e-12)).mean()
+             for s, t in zip(student, teacher, strict=True)]
+    return torch.stack(terms).mean()
+
+
+class Objective(nn.Module):
+    """forward(ids, teacher hidden, teacher weight, teacher layer outputs) -> (loss, ce, kl, hidden);
+    forward(ids) under evaluate=True -> (CE sum, count)."""
+
+    def __init__(self, model, ce_weight: float, kl_weight: float, temperature: float, chunk: int = 1024, fused: bool = True,
+                 hidden_weight: float = 0.0):
         super().__init__()
         self.model = model  # the sparse causal LM; its state dict keys are the checkpoint's
         self.ce_weight, self.kl_weight, self.temperature, self.chunk, self.fused = ce_weight, kl_weight, temperature, chunk, fused
+        self.hidden_weight = hidden_weight
+        self.tap = LayerTap(model) if hidden_weight else None
 
     def forward(self, ids: torch.Tensor, t_hidden: torch.Tensor | None = None, t_weight: torch.Tensor | None = None,
-                evaluate: bool = False):
+                t_layers: list[torch.Tensor] | None = None, evaluate: bool = False):
         labels = next_token_labels(ids)
         if evaluate:
             return ce_sum(final_hidden(self.model, ids), self.model.lm_head.weight, labels, self.chunk)
-        if not self.fused:
+        feature = self.tap is not None and t_layers is not None
+        if feature:
+            with self.tap:
+                hidden = final_hidden(self.model, ids)
+        else:
             hidden = final_hidden(self.model, ids)
-            return reference_loss(hidden, self.model.lm_head.weight, labels, t_hidden, t_weight, self.temperature,
-                                  self.ce_weight, self.kl_weight)
-        return distill_loss(final_hidden(self.model, ids), self.model.lm_head.weight, labels, t_hidden, t_weight,
-                            self.temperature, self.ce_weight, self.kl_weight, self.chunk)
+        if not self.fused:
+            loss, ce, kl = reference_loss(hidden, self.model.lm_head.weight, labels, t_hidden, t_weight, self.temperature,
+                                          self.ce_weight, self.kl_weight)
+        else:
+            loss, ce, kl = distill_loss(hidden, self.model.lm_head.weight, labels, t_hidden, t_weight,
+                                        self.temperature, self.ce_weight, self.kl_weight, self.chunk)
+        if not feature:
+            return loss, ce, kl, torch.zeros_like(ce)
+        feat = hidden_loss(self.tap.take(), t_layers)
+        return loss + self.hidden_weight * feat, ce, kl, feat.detach()
 
 
 @torch.no_grad()
-def teacher_outputs(teacher, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The frozen teacher's final hidden states [B*S, H] and output embeddings [V, H], in its own dtype."""
-    return final_hidden(teacher, ids), teacher.lm_head.weight
+def teacher_outputs(teacher, ids: torch.Tensor, tap: LayerTap | None = None) -> tuple:
+    """The frozen teacher's final hidden states [B*S, H], output embeddings [V, H] and, with a tap on it, its
+    decoder layers' outputs (else None), in its own dtype."""
+    if tap is None:
+        return final_hidden(teacher, ids), teacher.lm_head.weight, None
+    with tap:
+        hidden = final_hidden(teacher, ids)
+    return hidden, teacher.lm_head.weight, tap.take()
 
 
 @torch.no_grad()

@@ -49,6 +49,7 @@ class Recipe:
     lm_weight: float = 1.0  # weight of the next-token cross-entropy (0: distillation only)
     distill_kl: float = 0.0  # weight of KL(teacher || student) on logits; teacher = the dense original (0 = off)
     distill_temperature: float = 1.0  # softmax temperature of the distillation KL
+    distill_hidden: float = 0.0  # weight of feature distillation: each layer's output vs the teacher's, squared error relative to the teacher's per token, mean over tokens and layers (0 = off)
     teacher: str | None = None  # dense teacher spec; default: `model` when it is dense
     teacher_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 elsewhere; or float32 | bfloat16 | float16
     trainable: str = "all"  # all | mlp (attention, norms and embeddings frozen)
@@ -158,8 +159,9 @@ def validate(recipe: Recipe) -> Recipe:
         raise SparseforgeError(f"recipe key 'teacher_dtype' is {r.teacher_dtype!r}; use auto, float32, bfloat16 or float16")
     if r.trainable not in ("all", "mlp"):
         raise SparseforgeError(f"recipe key 'trainable' is {r.trainable!r}; use all or mlp")
-    if r.lm_weight < 0 or r.distill_kl < 0 or r.lm_weight + r.distill_kl == 0:
-        raise SparseforgeError(f"recipe keys lm_weight ({r.lm_weight}) and distill_kl ({r.distill_kl}) must be >= 0 and not both 0")
+    if min(r.lm_weight, r.distill_kl, r.distill_hidden) < 0 or r.lm_weight + r.distill_kl + r.distill_hidden == 0:
+        raise SparseforgeError(f"recipe keys lm_weight ({r.lm_weight}), distill_kl ({r.distill_kl}) and distill_hidden ({r.distill_hidden}) "
+                               "must be >= 0 and not all 0")
     if r.layerwise_target not in ("mlp", "stream"):
         raise SparseforgeError(f"recipe key 'layerwise_target' is {r.layerwise_target!r}; use mlp or stream")
     if r.layerwise_target == "stream" and r.layerwise_inputs != "student":
