@@ -4,7 +4,8 @@ Its paths share one layer loop (`_layers`): rows of ids [B, T] (prefill, scoring
 layer with PyTorch ops; one token of a batch-1 cache with native kernels runs the same loop over the row's buffers
 (runtime/decode.py NativeRow), or, when every MLP is a resident unit or a dense matrix pair, the whole loop as one
 native call (LeanStep); a hybrid engine's batch-1 decode step runs through runtime/graphs.py. The MLP of every
-path is runtime/mlp.py's; the head is runtime/head.py's; the token of a decode step is runtime/sampling.py's. One forward at a time per step (shared buffers).
+path is runtime/mlp.py's; the head is runtime/head.py's; the token of a decode step is runtime/sampling.py's. One
+forward at a time per step (shared buffers).
 """
 
 import time

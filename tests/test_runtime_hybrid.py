@@ -13,6 +13,7 @@ from sparseforge.predictors.model import LowRankPredictor
 from sparseforge.predictors.store import load_predictors, save_predictors
 from sparseforge.runtime import kernels
 from sparseforge.runtime.engine import Engine, GenerationConfig, open_engine
+from sparseforge.runtime.forward import KVCache
 from sparseforge.runtime.hybrid import device_plan, resolve_device
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -194,8 +195,9 @@ def _generate(ckpt, mode, budget, graphs, monkeypatch, prompt, n=14):
         tokens = list(engine.generate(prompt, GenerationConfig(max_new_tokens=n, stop_ids=())))
         s = engine.stats()
         assert list(engine.generate(prompt, GenerationConfig(max_new_tokens=n, stop_ids=()))) == tokens  # graphs kept or recaptured
-        cache = engine.new_cache(1, 24)  # another cache (a graphed engine's always have its context): its graphs
-        assert cache.context == (32 if graphs == "always" else 24)
+        assert engine.new_cache(1, 24).context == (32 if graphs == "always" else 24)  # a graphed engine's share one layout
+        shape = engine.model.shape  # a cache of another layout (built directly): the graphs are captured again for it
+        cache = KVCache(engine.config.num_hidden_layers, 1, shape.kv_heads, 24, shape.head_dim, engine.model.device)
         token = int(engine.forward(torch.tensor([prompt]), cache, logits_from=-1)[0, -1].argmax())
         tokens.append([token := engine.decode(token, cache, GenerationConfig(), torch.Generator()) for _ in range(4)])
         return tokens, {k: s[k] for k in ("neurons_computed_fraction", "neurons_fired_fraction", "decode_neurons_computed_fraction",

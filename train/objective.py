@@ -10,6 +10,8 @@ states, output embeddings and, for feature distillation, its layer outputs. Unde
 module's forward, the loss is computed from full logits instead (`fused=False`).
 """
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,10 +58,12 @@ class LayerTap:
 
 def hidden_loss(student: list[torch.Tensor], teacher: list[torch.Tensor]) -> torch.Tensor:
     """Feature distillation: per decoder layer and token |student - teacher|^2 / |teacher|^2, in float32, averaged
-    over tokens and layers. Per token, because the stream of a window's first token is ~100x the others' (an
+    over tokens and layers. Per token, because the stream of a window's first token is over 100x the others' (an
     attention sink): a ratio of sums over the batch would measure little else."""
-    terms = [((s.float() - t.float()).pow(2).sum(-1) / t.float().pow(2).sum(-1).clamp_min(1e-12)).mean()
-             for s, t in zip(student, teacher, strict=True)]
+    terms = []
+    for s, t in zip(student, teacher, strict=True):
+        t = t.float()
+        terms.append(((s.float() - t).pow(2).sum(-1) / t.pow(2).sum(-1).clamp_min(1e-12)).mean())
     return torch.stack(terms).mean()
 
 
@@ -81,10 +85,7 @@ class Objective(nn.Module):
         if evaluate:
             return ce_sum(final_hidden(self.model, ids), self.model.lm_head.weight, labels, self.chunk)
         feature = self.tap is not None and t_layers is not None
-        if feature:
-            with self.tap:
-                hidden = final_hidden(self.model, ids)
-        else:
+        with self.tap if feature else nullcontext():
             hidden = final_hidden(self.model, ids)
         if not self.fused:
             loss, ce, kl = reference_loss(hidden, self.model.lm_head.weight, labels, t_hidden, t_weight, self.temperature,
@@ -102,11 +103,9 @@ class Objective(nn.Module):
 def teacher_outputs(teacher, ids: torch.Tensor, tap: LayerTap | None = None) -> tuple:
     """The frozen teacher's final hidden states [B*S, H], output embeddings [V, H] and, with a tap on it, its
     decoder layers' outputs (else None), in its own dtype."""
-    if tap is None:
-        return final_hidden(teacher, ids), teacher.lm_head.weight, None
-    with tap:
+    with tap or nullcontext():
         hidden = final_hidden(teacher, ids)
-    return hidden, teacher.lm_head.weight, tap.take()
+    return hidden, teacher.lm_head.weight, tap.take() if tap is not None else None
 
 
 @torch.no_grad()
