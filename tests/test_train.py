@@ -170,8 +170,10 @@ def test_feature_distillation_trains_towards_the_teachers_layers(workspace, tmp_
     recipe = _recipe(workspace, tmp_path / "feat", max_steps=4, eval_every=0, save_every=0, lr=3e-3,
                      distill_hidden=1.0, distill_kl=0.0, lm_weight=0.0)
     train(recipe, progress=False)
-    feats = [l["distill_hidden"] for l in _losses(tmp_path / "feat")[1] if "loss" in l]
+    steps = [l for l in _losses(tmp_path / "feat")[1] if "loss" in l]
+    feats = [s["distill_hidden"] for s in steps]
     assert len(feats) == 4 and all(f > 0 for f in feats) and feats[-1] < feats[0]
+    assert not any("distill_kl" in s for s in steps)  # a term is logged only when it is trained on
     with pytest.raises(SparseforgeError, match=r"distill_hidden \(-1.0\)"):
         _recipe(workspace, tmp_path / "x", distill_hidden=-1.0)
 
