@@ -4,7 +4,8 @@
 
 1. Streaming matvec: `sf_matvec` on lm_head-shaped matrices ([49152, 576]) of each dtype, six different matrices
    used round robin so every call reads its weights from DRAM (one matrix alone, 28-113 MB, partly stays in the
-   last-level cache and flatters the kernel), median of --reps calls: GB/s of weights read and GMAC/s.
+   last-level cache and flatters the kernel), median of --reps calls: GB/s of weights read and GMAC/s; float32
+   also PyTorch's linear on the same matrices, alternating (what a float32 Linear of more than 8 rows runs).
 2. Decode breakdown: the dReLU SmolLM2 checkpoint decoded greedily in each engine mode and weight dtype, the
    attention blocks, predictors and MLPs (timed inside the one-call decode step, runtime/decode.py LeanStep) and
    the head per token (ms/token, median token time over --new-tokens greedy steps, Engine.decode). "MLP" is
@@ -36,15 +37,21 @@ def stream_matvec(dtype: torch.dtype, threads: int, reps: int, rows: int = 49152
         ws = [torch.randn(rows, cols, generator=g).to(dtype) for _ in range(copies)]
     scales = torch.ones(rows) if dtype == torch.int8 else None
     x = torch.randn(1, cols, generator=g)
-    times = []
+    calls = {"native": lambda w: kernels.matvec_native(w, scales, None, x, threads)}
+    if dtype == torch.float32:  # PyTorch's matmul on the same matrices, alternating (other dtypes it converts first)
+        calls["torch"] = lambda w: torch.nn.functional.linear(x, w)
+    times = {name: [] for name in calls}
     for k in range(reps + copies):  # the first round warms up
-        start = time.perf_counter()
-        kernels.matvec_native(ws[k % copies], scales, None, x, threads)
-        if k >= copies:
-            times.append(time.perf_counter() - start)
-    t = median(times)
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call(ws[k % copies])
+            if k >= copies:
+                times[name].append(time.perf_counter() - start)
+    t = median(times["native"])
     nbytes = rows * cols * ws[0].element_size()
-    return {"dtype": str(dtype).removeprefix("torch."), "ms": 1000 * t, "gb_s": nbytes / t / 1e9, "gmac_s": rows * cols / t / 1e9}
+    torch_ms = 1000 * median(times["torch"]) if "torch" in times else None
+    return {"dtype": str(dtype).removeprefix("torch."), "ms": 1000 * t, "gb_s": nbytes / t / 1e9, "gmac_s": rows * cols / t / 1e9,
+            "torch_ms": torch_ms, "torch_gb_s": nbytes / torch_ms / 1e6 if torch_ms else None}  # fmt: skip
 
 
 class Timed:
@@ -124,12 +131,13 @@ def main() -> None:
     env, bandwidth = setup(args.threads)
     stream = [stream_matvec(DTYPES[d], args.threads, args.reps) for d in args.dtypes]
     breakdown = [decode_breakdown(Path(args.ckpt), m, d, args.threads, args.new_tokens, not args.full_head) for d in args.dtypes for m in args.modes]
-    t1 = markdown_table(stream, [("dtype", "weights", ""), ("ms", "ms / call", ".2f"), ("gb_s", "GB/s read", ".1f"), ("gmac_s", "GMAC/s", ".1f")])
+    t1 = markdown_table(stream, [("dtype", "weights", ""), ("ms", "ms / call", ".2f"), ("gb_s", "GB/s read", ".1f"), ("gmac_s", "GMAC/s", ".1f"),
+                                 ("torch_ms", "PyTorch linear ms / call", ".2f"), ("torch_gb_s", "PyTorch GB/s read", ".1f")])  # fmt: skip
     t2 = markdown_table(breakdown, [("dtype", "weights", ""), ("mode", "mode", ""), ("tok_s", "decode tok/s", ".1f"),
                                     ("sf_attention_decode", "attention ms", ".2f"), ("head", "head", ""), ("lm_head", "head ms", ".2f"),
                                     ("predict_native", "predictor ms", ".2f"), ("sparse_mlp_native", "MLP ms", ".2f"),
                                     ("other", "other ms", ".2f")])  # fmt: skip
-    table = (f"Streaming `sf_matvec`, [49152, 576], 6 matrices round robin, median of {args.reps} calls:\n\n{t1}\n\n"
+    table = (f"Streaming `sf_matvec` (float32: and PyTorch's linear, alternating), [49152, 576], 6 matrices round robin, median of {args.reps} calls:\n\n{t1}\n\n"
              f"Decode, ms per token ({args.new_tokens} greedy steps after a 64-token prompt):\n\n{t2}\n\n"
              f"read bandwidth {bandwidth['read_gbs']:.1f} GB/s ({args.threads} threads)")  # fmt: skip
     command = "python " + " ".join(sys.argv)

@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     else:
         model, tokenizer, _ = load_model(base.model, dtype="float32")
         model.to(device)
-        row = _resume(done.get("original"), key) or {"name": "original", "key": key, **validation(base, tokenizer, model, val_batch)}
+        row = _resume(done.get("original"), key) or {"name": "original", "key": key, "command": result["command"], **validation(base, tokenizer, model, val_batch)}
         _score_row(row, result, model, tokenizer, spec["score"], task_dir, batch, write)
         del model
     only = set(args.only.split(",")) if args.only else None
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
         model = load_sparse(ckpt).to(device)
         tokenizer = load_model(str(ckpt))[1]
         entry = (None if retrained else _resume(done.get(row["name"]), key)) or {
-            "name": row["name"], "key": key, "set": row.get("set", []), "start": row.get("start"),
+            "name": row["name"], "key": key, "command": result["command"], "set": row.get("set", []), "start": row.get("start"),
             "train_seconds": seconds, "layerwise_seconds": layerwise["seconds"] if layerwise else 0.0,
             "trained_tokens": model.config.sparsity.get("trained_tokens", 0),
             "layerwise_tokens": model.config.sparsity.get("layerwise_tokens", 0),
@@ -232,7 +232,18 @@ def table(result: dict) -> str:
         cells.append(f"{row.get('train_seconds', 0) / 60:.1f}" if "train_seconds" in row else "")
         lines.append("| " + " | ".join(cells) + " |")
     common = " ".join(result["spec"].get("common", []))
-    return "\n".join(lines) + f"\n\nBase recipe `{result['spec']['recipe']}` with `{common}`. Command: `{result['command']}`\n"
+    return "\n".join(lines) + (f"\n\nBase recipe `{result['spec']['recipe']}` with `{common}`. Command: `{reproduce(result['command'])}` "
+                                "(trains and scores the rows the JSON lacks)\n")  # fmt: skip
+
+
+def reproduce(command: str) -> str:
+    """A run's command without its `--only` rows: the command that trains and scores every row of the file."""
+    words, out = command.split(" "), []
+    for i, w in enumerate(words):
+        if w == "--only" or w.startswith("--only=") or (i and words[i - 1] == "--only"):
+            continue
+        out.append(w)
+    return " ".join(out)
 
 
 if __name__ == "__main__":

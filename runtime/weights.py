@@ -29,7 +29,7 @@ from sparseforge.runtime import kernels
 from sparseforge.runtime.units import MLPUnit, ResidentUnit, convert_bundles, make_bundles, quantize_rows
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
-SMALL_BATCH = 8  # rows up to which a reduced-precision Linear streams its weights through the native matvec
+SMALL_BATCH = 8  # rows up to which a Linear on the CPU streams its weights through the native matvec
 
 
 class WeightReader:
@@ -93,11 +93,12 @@ class Linear:
     native: bool = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [N, K] float32 -> [N, R] float32. float32 weights go to PyTorch's BLAS (its sgemv matched or
-        beat sf_matvec in every side-by-side run, docs/runtime.md "Kernels"); other dtypes to the native
-        matvec for a few rows (PyTorch would convert the whole matrix first); float16 and bfloat16 weights on a GPU
-        to its half-precision matmul (the input rounded to the weight dtype, the result float32)."""
-        if self.native and x.shape[0] <= SMALL_BATCH and self.weight.dtype != torch.float32:
+        """x: [N, K] float32 -> [N, R] float32. Up to SMALL_BATCH rows on the CPU the native matvec streams the
+        weights once (PyTorch would convert a reduced-precision matrix first, and its float32 matvec ran at half
+        sf_matvec's rate on the lm_head, docs/runtime.md "Kernels"); more rows to PyTorch's matmul; float16 and
+        bfloat16 weights on a GPU to its half-precision matmul (the input rounded to the weight dtype, the result
+        float32)."""
+        if self.native and x.shape[0] <= SMALL_BATCH:
             return kernels.matvec_native(self.weight, self.scales, self.bias, x.contiguous(), self.threads)
         if self.weight.device.type != "cpu" and self.weight.dtype in (torch.float16, torch.bfloat16):  # a GPU: its half-precision matmul
             return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, None if self.bias is None else self.bias.to(self.weight.dtype)).float()

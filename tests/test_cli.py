@@ -1,14 +1,17 @@
 """The CLI end to end on a tiny model, and one-line errors for bad input."""
 
+import argparse
 import gzip
 import json
+import runpy
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from tiny import tiny_model, tiny_tokenizer
 
-from sparseforge.cli import main
+from sparseforge.cli import build_parser, main
 
 
 @pytest.fixture
@@ -68,3 +71,34 @@ def test_bad_input_is_one_line(argv, message, dense_dir, tmp_path, capsys):
 def test_console_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "sparseforge", "convert", "--help"], capture_output=True, text=True, check=True).stdout
     assert "--activation" in out and "--threshold" in out and "--out" in out
+
+
+def _subparsers(parser: argparse.ArgumentParser):
+    """Every parser under `parser`, nested subcommands included, with its command words."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield name, sub
+                for inner, subsub in _subparsers(sub):
+                    yield f"{name} {inner}", subsub
+
+
+def test_every_subcommand_has_help():
+    """`--help` renders for every subcommand (a bare % in a help string breaks argparse's formatting)."""
+    seen = 0
+    for name, sub in _subparsers(build_parser()):
+        assert sub.format_help().startswith("usage:"), name
+        seen += 1
+    assert seen >= 15
+
+
+def test_every_benchmark_has_help(capsys, monkeypatch):
+    """`python benchmarks/X.py --help` exits 0 and shows its options, for every benchmark script (run in-process)."""
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    scripts = sorted(p for p in root.glob("*.py") if p.name != "common.py" and "argparse" in p.read_text())
+    for path in scripts:
+        monkeypatch.setattr(sys, "argv", [str(path), "--help"])
+        with pytest.raises(SystemExit) as exit_:
+            runpy.run_path(str(path), run_name="__main__")
+        assert exit_.value.code in (0, None) and "--help" in capsys.readouterr().out, path.name
+    assert len(scripts) >= 10

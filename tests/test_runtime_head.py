@@ -17,6 +17,7 @@ from sparseforge.runtime.plan import PlanRequest, make_plan
 from sparseforge.runtime.sizes import parse_size
 from sparseforge.runtime.sampling import gumbel_noise, pick
 from sparseforge.runtime.store import tiered_units
+from sparseforge.runtime.weights import SMALL_BATCH, Linear
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.skipif(kernels.native() is None, reason="needs the native kernels")]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -61,6 +62,20 @@ def test_screened_argmax_is_the_full_logits_argmax(dtype, rows, cols):
         assert torch.equal(screen.approx[cand], y[cand])  # the candidates' logits, computed as sf_matvec does
         counts.append(n)
     assert sum(counts) / len(counts) < rows / 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_unscreened_head_of_a_few_rows_is_sf_matvec(dtype):
+    """The whole head as a decode step reads it without the screen (weights.Linear, up to SMALL_BATCH rows) gives
+    sf_matvec's logits bit for bit, so screened and unscreened greedy steps pick the same token even on near-ties;
+    more rows go to PyTorch's matmul."""
+    g, w, _ = _random_head(dtype, 1003, 72, seed=11)
+    head = Linear(w, threads=2)
+    for n in (1, 3, SMALL_BATCH):
+        x = torch.randn(n, 72, generator=g)
+        assert torch.equal(head(x), kernels.matvec_native(w, None, None, x, 2))
+    x = torch.randn(SMALL_BATCH + 1, 72, generator=g)
+    assert torch.allclose(head(x), kernels.matvec_torch(w, None, None, x), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
