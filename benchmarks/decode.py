@@ -25,6 +25,7 @@ mean decode position. Roofline fraction = bytes/token x tokens/s / measured read
 
 import argparse
 import gc
+import hashlib
 import json
 import re
 import subprocess
@@ -251,7 +252,10 @@ def llama_cpp_contestant(args, ckpt: Path, gguf_type: str, position: int, contex
         bpt = sum(int(t.n_bytes) for t in reader.tensors) + kv_bytes(ckpt, position, 2)  # llama.cpp's KV cache is F16
         label = "Q4_1 (original SmolLM2 file)"
     else:
-        path = Path(args.work_dir) / f"smollm2-drelu-{gguf_type}.gguf"
+        # the cached file is this checkpoint's: named by its weight files' paths, sizes and times
+        files = sorted(Path(ckpt).resolve().glob("model*.safetensors"))
+        tag = hashlib.sha256("".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns};" for f in files).encode()).hexdigest()[:12]
+        path = Path(args.work_dir) / f"smollm2-drelu-{tag}-{gguf_type}.gguf"
         if not path.is_file():
             Path(args.work_dir).mkdir(parents=True, exist_ok=True)
             export_gguf(ckpt, path, gguf_type)
