@@ -23,7 +23,6 @@ offload and HF on the device run on CUDA only. Writes benchmarks/results/hybrid-
 
 import argparse
 import gc
-import os
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,6 @@ from common import DEFAULT_CKPT, markdown_table, median, setup, time_stream, wri
 from scale import SHAPES, build_checkpoint, with_sparsity  # noqa: E402
 
 T0 = time.perf_counter()  # progress lines carry the seconds since the start
-GRAPHS_VAR = "SPARSEFORGE_DEVICE_GRAPHS"
 
 
 def random_profile(ckpt: Path, seed: int = 0) -> None:
@@ -60,18 +58,10 @@ class Ours:
     def __init__(self, ckpt, mode, dtype, context, threads, device=None, budget=None, eager=False):
         from sparseforge.runtime.engine import Engine
 
-        saved = os.environ.get(GRAPHS_VAR)
-        if eager:  # the step without device graphs, loaded as SPARSEFORGE_DEVICE_GRAPHS=0 loads it (no graph buffers)
-            os.environ[GRAPHS_VAR] = "0"
-        try:
-            self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False,
-                                      device=device if budget else None, device_memory=budget)  # fmt: skip
-        finally:
-            if saved is None:
-                os.environ.pop(GRAPHS_VAR, None)
-            else:
-                os.environ[GRAPHS_VAR] = saved
-        assert not eager or self.engine.step.graphs is None
+        self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False,
+                                  device=device if budget else None, device_memory=budget)  # fmt: skip
+        if eager:  # the step without device graphs (what SPARSEFORGE_DEVICE_GRAPHS=0 loads; graphs are captured on first use)
+            self.engine.step.graphs = None
         self.budget = budget
         self.name = f"sparseforge {mode} {dtype}, " + (f"{device} {budget} MLP" + (", eager step" if eager else "") if budget else "CPU engine")
         tier = self.engine.stats().get("device")

@@ -92,7 +92,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--full-head", action="store_true",
                    help="decode steps (greedy and sampled) read the whole lm_head instead of finding the token through its int8 "
-                   "screen (the same token but on float32 near-ties; saves the screen's memory, one byte per head weight: docs/runtime.md \"Head screen\")")  # fmt: skip
+                   "screen (the same token; saves the screen's memory, one byte per head weight: docs/runtime.md \"Head screen\")")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
 
 

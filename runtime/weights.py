@@ -93,11 +93,10 @@ class Linear:
     native: bool = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [N, K] float32 -> [N, R] float32. Up to SMALL_BATCH rows on the CPU the native matvec streams the
-        weights once (PyTorch would convert a reduced-precision matrix first, and its float32 matvec ran at 0.57x
-        sf_matvec's rate on the lm_head of an AMD EPYC, docs/runtime.md "Kernels"); more rows to PyTorch's matmul; float16 and
-        bfloat16 weights on a GPU to its half-precision matmul (the input rounded to the weight dtype, the result
-        float32)."""
+        """x: [N, K] float32 -> [N, R] float32. Up to SMALL_BATCH rows on the CPU: the native matvec, which streams
+        the weights once (PyTorch converts a reduced-precision matrix first, and its float32 matvec is slower:
+        docs/runtime.md "Kernels"); more rows: PyTorch's matmul; float16 and bfloat16 weights on a GPU: its
+        half-precision matmul (the input rounded to the weight dtype, the result float32)."""
         if self.native and x.shape[0] <= SMALL_BATCH:
             return kernels.matvec_native(self.weight, self.scales, self.bias, x.contiguous(), self.threads)
         if self.weight.device.type != "cpu" and self.weight.dtype in (torch.float16, torch.bfloat16):  # a GPU: its half-precision matmul

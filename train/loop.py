@@ -354,7 +354,7 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
                       "mlp_zero_fraction": sum(sparsity) / len(sparsity), "mlp_zero_fraction_per_layer": [round(s, 4) for s in sparsity]}
             if grad_norm is not None:
                 record["grad_norm"] = float(grad_norm)
-            record.update({k: v for k, v, weight in (("distill_kl", kl_mean, r.distill_kl), ("distill_hidden", feat_mean, r.distill_hidden)) if weight})
+            record.update(({"distill_kl": kl_mean} if r.distill_kl else {}) | ({"distill_hidden": feat_mean} if r.distill_hidden else {}))
             if r.l1_coef > 0:
                 record.update(l1=l1_mean, l1_weight=l1_weight)
             if r.swap_steps:
