@@ -7,9 +7,9 @@ Q4_1 file.
 
 Precisions: fp32 (sparseforge float32, HF float32, llama.cpp F32) and fp16 (sparseforge float16, HF bfloat16 —
 HF's CPU fp16 matmuls are not a fair baseline — llama.cpp F16); int8 (sparseforge int8 weights, int8 × int8 dots) beside
-llama.cpp Q4_1. llama.cpp runs the checkpoint's own weights exported to GGUF (benchmarks/gguf_export.py: SwiGLU
-in place of dReLU, same matrices, same bytes) from `llama-cpp-python`, or a `llama-bench` binary (--llama-bench);
-its rows are skipped with a note when neither is available. sparseforge oracle (exact masks) computes every gate
+llama.cpp Q4_0 and Q4_1. llama.cpp runs the checkpoint's own weights exported to GGUF (benchmarks/gguf_export.py: SwiGLU
+in place of dReLU, same matrices; F32 and F16 the same bytes, Q4_0 by llama.cpp's quantizer; Q4_1 is the original
+SmolLM2 file) from `llama-cpp-python`, or a `llama-bench` binary (--llama-bench); its rows are skipped with a note when neither is available. sparseforge oracle (exact masks) computes every gate
 row but up rows and down columns only where the neuron fires: the exact output at no predictor cost; sparseforge
 screen (float weights) the same output, reading full rows only where an int8 gate/up screen (runtime/screen.py) cannot
 prove the neuron zero. PowerInfer
@@ -42,7 +42,7 @@ from sparseforge.data import pretrain_prompt  # noqa: E402
 from sparseforge.errors import SparseforgeError  # noqa: E402
 from sparseforge.runtime.weights import WEIGHT_DTYPES  # noqa: E402
 
-PRECISIONS = {"fp32": ("float32", torch.float32, "F32"), "fp16": ("float16", torch.bfloat16, "F16"), "int8": ("int8", None, "Q4_1")}
+PRECISIONS = {"fp32": ("float32", torch.float32, ("F32",)), "fp16": ("float16", torch.bfloat16, ("F16",)), "int8": ("int8", None, ("Q4_0", "Q4_1"))}
 POWERINFER_TYPES = {"F32": ("fp32", "all F32"), "F16": ("fp16", "mostly F16"), "Q4_0": ("int8", "mostly Q4_0"), "Q4_1": ("int8", "mostly Q4_1")}
 
 
@@ -242,18 +242,18 @@ def llama_cpp_available() -> bool:
 
 def llama_cpp_contestant(args, ckpt: Path, gguf_type: str, position: int, context: int, notes: list[str]):
     """llama.cpp on the checkpoint's weights as a GGUF of `gguf_type` (Q4_1: the original SmolLM2 file), or None
-    with a note when neither llama-cpp-python nor --llama-bench is available."""
+    with a note when neither llama-cpp-python nor --llama-bench is available. Bytes per token: quantized files'
+    tensor bytes, else dense_bytes; the KV cache is F16 in llama.cpp."""
     if gguf_type == "Q4_1":
+        path, label = original_smollm2_gguf(), "Q4_1 (original SmolLM2 file)"
+    else:
+        path, label = cached_gguf(ckpt, args.work_dir, gguf_type), f"{gguf_type} (checkpoint weights)"
+    if gguf_type.startswith("Q"):
         import gguf
 
-        path = original_smollm2_gguf()
-        reader = gguf.GGUFReader(path)
-        bpt = sum(int(t.n_bytes) for t in reader.tensors) + kv_bytes(ckpt, position, 2)  # llama.cpp's KV cache is F16
-        label = "Q4_1 (original SmolLM2 file)"
+        bpt = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors) + kv_bytes(ckpt, position, 2)
     else:
-        path = cached_gguf(ckpt, args.work_dir, gguf_type)
         bpt = dense_bytes(ckpt, 4 if gguf_type == "F32" else 2) + kv_bytes(ckpt, position, 2)
-        label = f"{gguf_type} (checkpoint weights)"
     if args.llama_bench:
         return LlamaBench(args.llama_bench, path, label, args.threads, bpt)
     if llama_cpp_available():
@@ -269,7 +269,7 @@ def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=0) if args.temperature > 0 else None
     out = []
     for prec in args.precisions:
-        dtype, hf_dtype, gguf_type = PRECISIONS[prec]
+        dtype, hf_dtype, gguf_types = PRECISIONS[prec]
         for mode in ("sparse", "oracle", "screen", "dense") if dtype != "int8" else ("sparse", "oracle", "dense"):  # int8: no screen
             out.append((prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, args.head != "full", sampling)))
         if args.head == "both" and dtype != "int8":  # int8 heads have no screen
@@ -278,9 +278,8 @@ def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list
         if hf_dtype is not None and not args.no_hf:
             elem = 4 if hf_dtype == torch.float32 else 2
             out.append((prec, HFGenerate(ckpt, hf_dtype, dense_bytes(ckpt, elem) + kv_bytes(ckpt, position, elem), sampling=sampling)))
-        llama = None if args.no_llama_cpp else llama_cpp_contestant(args, ckpt, gguf_type, position, context, notes)
-        if llama is not None:
-            out.append((prec, llama))
+        llamas = [] if args.no_llama_cpp else [llama_cpp_contestant(args, ckpt, t, position, context, notes) for t in gguf_types]
+        out += [(prec, llama) for llama in llamas if llama is not None]
         out += [(prec, PowerInfer(Path(args.powerinfer), path, label, text, context, args.threads)) for label, path in ggufs if POWERINFER_TYPES[label][0] == prec]
     if args.predictor_dtype:
         notes.append(f"sparseforge sparse: {args.predictor_dtype} predictors (--predictor-dtype)")

