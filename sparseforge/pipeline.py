@@ -2,8 +2,8 @@
 
 Every stage is a call of that stage's verb function in this process, printed before it runs as the equivalent
 `sparseforge` command (so any stage can be re-run by hand); the checkpoint directory is the only thing stages
-pass on. Every stage's options are checked before the first stage starts: a bad stage name or option stops the
-run with one line naming it. A stage is *up to date* when the
+pass on. Every stage's options, and the training sources' files, are checked before the first stage starts: a bad
+stage name or option, or a source matching no file, stops the run with one line naming it. A stage is *up to date* when the
 run record (`OUTPUT_DIR/pipeline.json`) says it finished with the same command line and settings, the
 files it read are unchanged since (size and mtime), and the files it writes exist; up-to-date stages are
 skipped. Stages write atomically and training resumes from its latest state, so an interrupted run
@@ -300,6 +300,10 @@ def run_pipeline(recipe_path: str, overrides: list[str] = (), only: str | None =
     for name, argvs in cmds.items():  # every stage's options are checked before the first stage runs
         for argv in argvs:
             _parse(parser, name, argv)
+    if "train" in cmds and not dry_run:  # and the training data: a missing folder is not found after convert
+        from sparseforge.train.tokens import check_sources
+
+        check_sources(recipe.sources, recipe.data_root)
     quiet_libraries()
     rows = []
     for i, stage in enumerate(todo, 1):

@@ -117,3 +117,16 @@ def test_recipe_stage_errors(workspace, tmp_path, capsys):
     with pytest.raises(SparseforgeError, match=r"recipe stages.eval: cannot split .* close its quotes"):
         stage_arguments({"eval": "--tasks 'piqa"})
     assert capsys.readouterr().out == ""  # nothing ran: no stage printed its command
+
+
+def test_missing_training_data_stops_the_run_before_convert(workspace, tmp_path, capsys):
+    """A data folder that is not there is reported before the first stage, naming the source (not after convert and
+    the model loads); `sparseforge train` checks it before loading anything too."""
+    recipe = _recipe(workspace, tmp_path)
+    nowhere = tmp_path / "no-data"
+    with pytest.raises(SparseforgeError, match=rf"source '\w+': no files match '{nowhere}/.*'; fix its path, set data_root"):
+        run_pipeline(str(recipe), overrides=[f"data_root={nowhere}"], progress=False)
+    assert capsys.readouterr().out == "" and not (tmp_path / "run").exists()
+    assert main(["train", "--config", str(recipe), "--set", f"data_root={nowhere}", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no files match" in err and len(err.splitlines()) == 1 and not (tmp_path / "run").exists()

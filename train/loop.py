@@ -42,6 +42,7 @@ from sparseforge.train.mixture import build_mixture, validation_windows
 from sparseforge.train.objective import LayerTap, Objective, model_validation_loss, teacher_outputs, validation_loss
 from sparseforge.train.recipe import Recipe
 from sparseforge.train.schedules import lr_multiplier, ramp
+from sparseforge.train.tokens import check_sources
 from sparseforge.train.thresholds import set_thresholds
 
 
@@ -230,7 +231,7 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
         raise SparseforgeError(f"--resume: no saved state under {state_dir}; start without --resume")
     if not resume and state_dir.exists() and any(state_dir.glob("step-*")):
         raise SparseforgeError(f"{run_dir} already holds a run; pass --resume to continue it or choose another output_dir")
-
+    check_sources(r.sources, r.data_root)  # a missing data folder stops the run before any model loads
     accelerator = Accelerator(
         gradient_accumulation_steps=r.gradient_accumulation_steps,
         mixed_precision=r.mixed_precision,

@@ -57,10 +57,23 @@ def cache_root(token_cache: str | None = None) -> Path:
 
 
 def _files(spec: SourceSpec, root: Path | None) -> list[Path]:
+    """The text files of a path source; none is an error naming the source and the fix."""
     pattern = Path(spec.path).expanduser()
     if not pattern.is_absolute():
         pattern = (root or data_root()) / pattern
-    return expand(str(pattern))
+    try:
+        return expand(str(pattern))
+    except SparseforgeError as e:
+        raise SparseforgeError(f"source {spec.name!r}: {e}".replace("pass --data PATH_OR_GLOB", "fix its path, set data_root")) from None
+
+
+def check_sources(sources: dict, root: str | None) -> None:
+    """Every file source of a recipe's `sources` matches text files, checked before any model loads. Hub and
+    generated sources are checked when they are read."""
+    base = Path(root).expanduser() if root else None
+    for name, entry in sources.items():
+        if "path" in entry:
+            _files(SourceSpec.from_recipe(name, entry), base)
 
 
 def iter_source_documents(spec: SourceSpec, root: Path | None = None) -> Iterator[str]:
