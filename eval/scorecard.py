@@ -71,6 +71,9 @@ def measure_speed(ckpt: str | Path, settings: SpeedSettings, progress: bool = Tr
 
     if settings.prompt_tokens + settings.decode_tokens > settings.context:
         raise SparseforgeError(f"--prompt-tokens + --decode-tokens ({settings.prompt_tokens + settings.decode_tokens}) exceed --context {settings.context}")
+    if "sparse" in settings.modes and not (Path(ckpt) / "predictors.json").is_file():  # before any engine loads
+        raise SparseforgeError(f"{ckpt} has no predictors (predictors.json), which --modes sparse needs; train them with "
+                               f"`sparseforge predictors train {ckpt}` or pass --modes without sparse (e.g. dense,screen)")  # fmt: skip
     engines, load_rss = {}, {}
     for mode in settings.modes:
         before = _peak_rss_bytes()

@@ -57,3 +57,14 @@ def test_scorecard_checks_lengths(tmp_path, capsys):
     assert "--repeats" in capsys.readouterr().err
     assert main(["scorecard", str(tmp_path), "--modes", "dense,fast"]) == 2
     assert "'dense,fast'" in capsys.readouterr().err
+
+
+def test_scorecard_without_predictors_stops_before_loading(tmp_path, capsys, monkeypatch):
+    """The default modes time `sparse`: a checkpoint without predictors is refused before any engine loads."""
+    from sparseforge.runtime.engine import Engine
+
+    save_sparse(convert_model(tiny_model("llama"), "drelu"), tiny_tokenizer(), tmp_path / "ckpt")
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("an engine loaded"))
+    assert main(["scorecard", str(tmp_path / "ckpt"), "--repeats", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has no predictors (predictors.json), which --modes sparse needs" in err and len(err.splitlines()) == 1
