@@ -2,8 +2,9 @@
 
 Every stage is a call of that stage's verb function in this process, printed before it runs as the equivalent
 `sparseforge` command (so any stage can be re-run by hand); the checkpoint directory is the only thing stages
-pass on. Every stage's options, and the training sources' files, are checked before the first stage starts: a bad
-stage name or option, or a source matching no file, stops the run with one line naming it. A stage is *up to date* when the
+pass on. Every stage's options are checked before the first stage starts, and the training sources' files before
+convert or train runs: a bad stage name or option, or a source matching no file, stops the run with one line naming
+it. A stage is *up to date* when the
 run record (`OUTPUT_DIR/pipeline.json`) says it finished with the same command line and settings, the
 files it read are unchanged since (size and mtime), and the files it writes exist; up-to-date stages are
 skipped. Stages write atomically and training resumes from its latest state, so an interrupted run
@@ -300,10 +301,6 @@ def run_pipeline(recipe_path: str, overrides: list[str] = (), only: str | None =
     for name, argvs in cmds.items():  # every stage's options are checked before the first stage runs
         for argv in argvs:
             _parse(parser, name, argv)
-    if "train" in cmds and not dry_run:  # and the training data: a missing folder is not found after convert
-        from sparseforge.train.tokens import check_sources
-
-        check_sources(recipe.sources, recipe.data_root)
     quiet_libraries()
     rows = []
     for i, stage in enumerate(todo, 1):
@@ -327,6 +324,10 @@ def run_pipeline(recipe_path: str, overrides: list[str] = (), only: str | None =
         missing = [p for p in inputs if not p.exists()]
         if missing:
             raise SparseforgeError(f"stage {stage.name} needs {missing[0]}, which an earlier stage writes; run without --only, or run that stage first")
+        if stage.name in ("convert", "train") and "train" in cmds:  # training will run: its data must be there before convert
+            from sparseforge.train.tokens import check_sources
+
+            check_sources(recipe.sources, recipe.data_root)
         _say(f"{tag}: {shown}")
         record.forget(STAGE_NAMES[STAGE_NAMES.index(stage.name):])  # this stage and later ones are no longer finished
         start = time.perf_counter()

@@ -78,8 +78,12 @@ def test_pipeline_end_to_end_skip_and_resume(workspace, tmp_path, one_thread, ca
     card = (ckpt / "README.md").read_text()
     assert "trust_remote_code=True" in card and "sparseforge generate" in card
 
-    # nothing changed: every stage is skipped; a changed checkpoint re-runs what reads it
-    rows, _ = run_pipeline(str(recipe), progress=False)
+    # nothing changed: every stage is skipped, also with the training data gone; a changed checkpoint re-runs what reads it
+    (workspace / "data").rename(workspace / "data-moved")
+    try:
+        rows, _ = run_pipeline(str(recipe), progress=False)
+    finally:
+        (workspace / "data-moved").rename(workspace / "data")
     assert {r["status"] for r in rows} == {"up to date"}
     rows, _ = run_pipeline(str(recipe), progress=True, dry_run=True)  # progress bars on or off: the same stages
     assert {r["status"] for r in rows} == {"up to date"}
