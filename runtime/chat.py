@@ -123,6 +123,17 @@ def why_no_text(done: Completion, tokenizer) -> str:
     return "no token was generated"
 
 
+def why_no_reply(done: Completion, tokenizer) -> str:
+    """why_no_text for a chat turn, with what a chat user can do instead."""
+    if done.token_ids:
+        what = f"the model's {len(done.token_ids)} token(s) decode to no visible text"
+    elif done.stopped_by is not None:
+        what = f"the model ended its turn at once with {tokenizer.convert_ids_to_tokens(done.stopped_by)}"
+    else:
+        return "no token was generated"
+    return f"{what}; rephrase the message, /reset, or sample (start chat with --temperature 0.8)"
+
+
 def chat_loop(engine, gen, system: str | None = None, stdin=None, stdout=None, stderr=None) -> int:
     """Interactive chat: one user line per turn, the reply streamed; history kept until /reset; EOF or /exit ends.
 
@@ -167,4 +178,6 @@ def chat_loop(engine, gen, system: str | None = None, stdin=None, stdout=None, s
         for piece in stream_text(engine, ids, replace(gen, max_new_tokens=min(gen.max_new_tokens, room)), done=done):
             print(piece, end="", file=stdout, flush=True)
         print(file=stdout, flush=True)
+        if not done.text.strip():
+            print(f"(no reply: {why_no_reply(done, tokenizer)})", file=stderr)
         history.append({"role": "assistant", "content": done.text})

@@ -174,6 +174,26 @@ def test_generate_says_why_nothing_was_generated(ckpt, tmp_path, capsys):
     assert "nothing to print" not in capsys.readouterr().err
 
 
+def test_chat_says_why_a_reply_is_empty(ckpt, tmp_path, monkeypatch, capsys):
+    """A turn that ends at once prints an empty line and, on stderr, why and what to try; a turn with text does not."""
+    ids = chat_ids([{"role": "user", "content": "hello"}])
+    first = next(iter(Engine.load(ckpt, mode="dense", context=256, progress=False).generate(ids, GenerationConfig(max_new_tokens=1))))
+    ends = tmp_path / "ends-at-once"
+    shutil.copytree(ckpt, ends)
+    (ends / "generation_config.json").write_text(json.dumps({"eos_token_id": first}))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", str(ends), "--mode", "dense", "--no-progress", "--context", "256"]) == 0
+    out, err = capsys.readouterr()
+    token = tiny_tokenizer().convert_ids_to_tokens(first)
+    assert out == "\n" and err.strip().splitlines()[-1] == (
+        f"(no reply: the model ended its turn at once with {token}; rephrase the message, /reset, or sample (start chat with --temperature 0.8))"
+    )
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", str(ckpt), "--mode", "dense", "--max-new-tokens", "4", "--no-progress", "--context", "256"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "no reply" not in err
+
+
 def test_chat_without_template_is_an_error(tmp_path, capsys):
     plain = engine_checkpoint(tmp_path, chat_template=False)
     assert main(["chat", str(plain), "--mode", "dense", "--no-progress"]) == 2
