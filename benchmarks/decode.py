@@ -9,7 +9,8 @@ Precisions: fp32 (sparseforge float32, HF float32, llama.cpp F32) and fp16 (spar
 HF's CPU fp16 matmuls are not a fair baseline — llama.cpp F16); int8 (sparseforge int8 weights, int8 × int8 dots) beside
 llama.cpp Q4_0 and Q4_1. llama.cpp runs the checkpoint's own weights exported to GGUF (benchmarks/gguf_export.py: SwiGLU
 in place of dReLU, same matrices; F32 and F16 the same bytes, Q4_0 by llama.cpp's quantizer; Q4_1 is the original
-SmolLM2 file) from `llama-cpp-python`, or a `llama-bench` binary (--llama-bench); its rows are skipped with a note when neither is available. sparseforge oracle (exact masks) computes every gate
+SmolLM2 file) from `llama-cpp-python`, or a `llama-bench` binary (--llama-bench); its rows are skipped with a note
+when neither is available. sparseforge oracle (exact masks) computes every gate
 row but up rows and down columns only where the neuron fires: the exact output at no predictor cost; sparseforge
 screen (float weights) the same output, reading full rows only where an int8 gate/up screen (runtime/screen.py) cannot
 prove the neuron zero. PowerInfer
@@ -242,18 +243,15 @@ def llama_cpp_available() -> bool:
 
 def llama_cpp_contestant(args, ckpt: Path, gguf_type: str, position: int, context: int, notes: list[str]):
     """llama.cpp on the checkpoint's weights as a GGUF of `gguf_type` (Q4_1: the original SmolLM2 file), or None
-    with a note when neither llama-cpp-python nor --llama-bench is available. Bytes per token: quantized files'
-    tensor bytes, else dense_bytes; the KV cache is F16 in llama.cpp."""
+    with a note when neither llama-cpp-python nor --llama-bench is available. Bytes per token: the file's tensor bytes
+    (for F32 and F16 exports the same as dense_bytes) and an F16 KV cache, as llama.cpp keeps it."""
+    import gguf
+
     if gguf_type == "Q4_1":
         path, label = original_smollm2_gguf(), "Q4_1 (original SmolLM2 file)"
     else:
         path, label = cached_gguf(ckpt, args.work_dir, gguf_type), f"{gguf_type} (checkpoint weights)"
-    if gguf_type.startswith("Q"):
-        import gguf
-
-        bpt = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors) + kv_bytes(ckpt, position, 2)
-    else:
-        bpt = dense_bytes(ckpt, 4 if gguf_type == "F32" else 2) + kv_bytes(ckpt, position, 2)
+    bpt = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors) + kv_bytes(ckpt, position, 2)
     if args.llama_bench:
         return LlamaBench(args.llama_bench, path, label, args.threads, bpt)
     if llama_cpp_available():

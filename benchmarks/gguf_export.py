@@ -68,8 +68,12 @@ def export_gguf(ckpt: str | Path, out: str | Path, type_: str = "F32") -> Path:
     ckpt, out = Path(ckpt), Path(out)
     if type_ not in TYPES:
         raise ValueError(f"GGUF type {type_!r}; use one of {', '.join(TYPES)}")
-    if type_ == "Q4_0":
-        return _quantized(ckpt, out, "Q4_0")
+    if type_ == "Q4_0":  # the F32 export, written to a temporary file, quantized by llama.cpp
+        f32 = out.with_name(out.name + ".f32.partial")
+        try:
+            return quantize_gguf(export_gguf(ckpt, f32, "F32"), out, type_)
+        finally:
+            f32.unlink(missing_ok=True)
     config = json.loads((ckpt / "config.json").read_text())
     reader = gguf.GGUFReader(original_smollm2_gguf())
     partial = out.with_name(out.name + ".partial")  # renamed once complete, removed on failure: no partial OUT
@@ -105,13 +109,12 @@ def export_gguf(ckpt: str | Path, out: str | Path, type_: str = "F32") -> Path:
     return out
 
 
-def _quantized(ckpt: Path, out: Path, type_: str) -> Path:
-    """CKPT's F32 export quantized to `type_` by llama.cpp into OUT (atomically; the F32 file is a temporary)."""
+def quantize_gguf(f32: Path, out: Path, type_: str) -> Path:
+    """An F32 GGUF quantized to `type_` by llama.cpp (its default choice per tensor) into OUT, atomically."""
     import llama_cpp
 
-    f32, partial = out.with_name(out.name + ".f32.partial"), out.with_name(out.name + ".partial")
+    partial = out.with_name(out.name + ".partial")
     try:
-        export_gguf(ckpt, f32, "F32")
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{type_}")
         params.nthread = os.cpu_count() or 1
@@ -119,21 +122,24 @@ def _quantized(ckpt: Path, out: Path, type_: str) -> Path:
             raise RuntimeError(f"llama.cpp could not quantize {f32} to {type_}")
         os.replace(partial, out)
     finally:
-        f32.unlink(missing_ok=True)
         partial.unlink(missing_ok=True)
     return out
 
 
 def cached_gguf(ckpt: str | Path, work_dir: str | Path, type_: str) -> Path:
-    """CKPT's export of `type_` in WORK_DIR, written on first use. The file name carries a hash of the checkpoint's
-    weights file (its path, size and modification time), so another or a retrained checkpoint gets its own file."""
+    """CKPT's export of `type_` in WORK_DIR, written on first use (a quantized type from the cached F32 export). The
+    file name carries a hash of the checkpoint's weights file (its path, size and modification time), so another or a
+    retrained checkpoint gets its own file."""
     weights = (Path(ckpt) / "model.safetensors").resolve()
     stat = weights.stat()
     tag = hashlib.sha256(f"{weights}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     path = Path(work_dir) / f"smollm2-drelu-{tag}-{type_}.gguf"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        export_gguf(ckpt, path, type_)
+        if type_ in ("F32", "F16"):
+            export_gguf(ckpt, path, type_)
+        else:
+            quantize_gguf(cached_gguf(ckpt, work_dir, "F32"), path, type_)
     return path
 
 

@@ -110,28 +110,23 @@ def stream_text(engine, prompt_ids: list[int], gen, stop: list[str] = (), done: 
         done.finish_reason = "length" if len(done.token_ids) >= gen.max_new_tokens else "stop"
 
 
-def why_no_text(done: Completion, tokenizer) -> str:
-    """Why a finished generation has no visible text, in words, with what to try instead."""
+def why_no_text(done: Completion, tokenizer, fixes: str | None = None) -> str:
+    """Why a finished generation has no visible text, in words, with what to try instead: `fixes`, or by default
+    `sparseforge generate`'s options for the case."""
     if isinstance(done.stopped_by, str):
         return f"the text began with the stop string {done.stopped_by!r} (the text ends before a stop string); change or drop that --stop"
     if done.token_ids:
-        return (f"the model generated {len(done.token_ids)} token(s) that decode to no visible text (special tokens or "
-                "whitespace); try a different prompt, --raw or --chat-template, or sampling (--temperature 0.8)")  # fmt: skip
-    if done.stopped_by is not None:
-        return (f"the model ended the text at once with its end-of-text token {tokenizer.convert_ids_to_tokens(done.stopped_by)}; "
-                "try a longer or different prompt, --raw or --chat-template, sampling (--temperature 0.8), or --ignore-eos")  # fmt: skip
-    return "no token was generated"
-
-
-def why_no_reply(done: Completion, tokenizer) -> str:
-    """why_no_text for a chat turn, with what a chat user can do instead."""
-    if done.token_ids:
-        what = f"the model's {len(done.token_ids)} token(s) decode to no visible text"
+        what = f"the model generated {len(done.token_ids)} token(s) that decode to no visible text (special tokens or whitespace)"
+        default = "try a different prompt, --raw or --chat-template, or sampling (--temperature 0.8)"
     elif done.stopped_by is not None:
-        what = f"the model ended its turn at once with {tokenizer.convert_ids_to_tokens(done.stopped_by)}"
+        what = f"the model ended the text at once with its end-of-text token {tokenizer.convert_ids_to_tokens(done.stopped_by)}"
+        default = "try a longer or different prompt, --raw or --chat-template, sampling (--temperature 0.8), or --ignore-eos"
     else:
         return "no token was generated"
-    return f"{what}; rephrase the message, /reset, or sample (start chat with --temperature 0.8)"
+    return f"{what}; {fixes or default}"
+
+
+CHAT_FIXES = "rephrase the message, /reset, or sample (start chat with --temperature 0.8)"
 
 
 def chat_loop(engine, gen, system: str | None = None, stdin=None, stdout=None, stderr=None) -> int:
@@ -179,5 +174,5 @@ def chat_loop(engine, gen, system: str | None = None, stdin=None, stdout=None, s
             print(piece, end="", file=stdout, flush=True)
         print(file=stdout, flush=True)
         if not done.text.strip():
-            print(f"(no reply: {why_no_reply(done, tokenizer)})", file=stderr)
+            print(f"(no reply: {why_no_text(done, tokenizer, CHAT_FIXES)})", file=stderr)
         history.append({"role": "assistant", "content": done.text})

@@ -31,8 +31,9 @@ def default_pretrain_glob() -> str:
     return str(data_root() / "pretrain" / "*" / "*.jsonl.gz")
 
 
-def expand(patterns: str | Iterable[str]) -> list[Path]:
-    """Globs/paths -> sorted list of existing text files; a pattern matching nothing is an error."""
+def expand(patterns: str | Iterable[str], what: str = "", fix: str = "pass --data PATH_OR_GLOB") -> list[Path]:
+    """Globs/paths -> sorted list of existing text files; a pattern matching nothing is an error, prefixed by `what`
+    (e.g. "source 'web': ") and naming `fix` before the data folder."""
     if isinstance(patterns, str):
         patterns = [patterns]
     files: list[Path] = []
@@ -41,12 +42,12 @@ def expand(patterns: str | Iterable[str]) -> list[Path]:
         matches = [m for m in matches if os.path.isfile(m)]
         if not matches:
             raise SparseforgeError(
-                f"no files match {pattern!r}; pass --data PATH_OR_GLOB, or set {DATA_ENV} to the data folder "
+                f"{what}no files match {pattern!r}; {fix}, or set {DATA_ENV} to the data folder "
                 f"(default {DEFAULT_DATA_ROOT})"
             )
         bad = [m for m in matches if not m.endswith(TEXT_SUFFIXES)]
         if bad:
-            raise SparseforgeError(f"{bad[0]!r} is not a text file sparseforge reads ({', '.join(TEXT_SUFFIXES)})")
+            raise SparseforgeError(f"{what}{bad[0]!r} is not a text file sparseforge reads ({', '.join(TEXT_SUFFIXES)})")
         files.extend(Path(m) for m in matches)
     return files
 

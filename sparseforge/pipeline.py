@@ -4,10 +4,9 @@ Every stage is a call of that stage's verb function in this process, printed bef
 `sparseforge` command (so any stage can be re-run by hand); the checkpoint directory is the only thing stages
 pass on. Every stage's options are checked before the first stage starts, and the training sources' files before
 convert or train runs: a bad stage name or option, or a source matching no file, stops the run with one line naming
-it. A stage is *up to date* when the
-run record (`OUTPUT_DIR/pipeline.json`) says it finished with the same command line and settings, the
-files it read are unchanged since (size and mtime), and the files it writes exist; up-to-date stages are
-skipped. Stages write atomically and training resumes from its latest state, so an interrupted run
+it. A stage is *up to date* when the run record (`OUTPUT_DIR/pipeline.json`) says it finished with the same command
+line and settings, the files it read are unchanged since (size and mtime), and the files it writes exist;
+up-to-date stages are skipped. Stages write atomically and training resumes from its latest state, so an interrupted run
 continues where it stopped when the same command is given again.
 
     convert          sparseforge convert MODEL --activation A --out OUTPUT_DIR/converted
@@ -324,7 +323,7 @@ def run_pipeline(recipe_path: str, overrides: list[str] = (), only: str | None =
         missing = [p for p in inputs if not p.exists()]
         if missing:
             raise SparseforgeError(f"stage {stage.name} needs {missing[0]}, which an earlier stage writes; run without --only, or run that stage first")
-        if stage.name in ("convert", "train") and "train" in cmds:  # training will run: its data must be there before convert
+        if stage.name == "convert" and "train" in cmds:  # training follows: its data must be there before convert (train checks it too)
             from sparseforge.train.tokens import check_sources
 
             check_sources(recipe.sources, recipe.data_root)

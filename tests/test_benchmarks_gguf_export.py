@@ -54,6 +54,10 @@ def test_cached_exports_are_per_checkpoint(export, ckpt, tmp_path, monkeypatch):
     assert first.parent == work and first.name.endswith("-F32.gguf") and len(made) == 1
     assert export.cached_gguf(ckpt, work, "F32") == first and len(made) == 1
     assert export.cached_gguf(ckpt, work, "F16") != first and len(made) == 2
+    quantized = []
+    monkeypatch.setattr(export, "quantize_gguf", lambda f32, out, t: quantized.append((f32, t)) or out.write_bytes(b"GGUF"))
+    q4 = export.cached_gguf(ckpt, work, "Q4_0")  # from the cached F32 export, not a second one
+    assert q4.name.endswith("-Q4_0.gguf") and quantized == [(first, "Q4_0")] and len(made) == 2
     weights = ckpt / "model.safetensors"
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten in place (retrained)

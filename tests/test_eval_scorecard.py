@@ -67,4 +67,6 @@ def test_scorecard_without_predictors_stops_before_loading(tmp_path, capsys, mon
     monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("an engine loaded"))
     assert main(["scorecard", str(tmp_path / "ckpt"), "--repeats", "1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "has no predictors (predictors.json), which --modes sparse needs" in err and len(err.splitlines()) == 1
+    ckpt = tmp_path / "ckpt"
+    assert err == (f"sparseforge scorecard: error: {ckpt}/predictors.json does not exist; --modes sparse needs it: run "
+                   f"`sparseforge predictors train {ckpt}` first, or pass --modes without sparse (e.g. dense,screen)")  # fmt: skip

@@ -186,7 +186,8 @@ def test_chat_says_why_a_reply_is_empty(ckpt, tmp_path, monkeypatch, capsys):
     out, err = capsys.readouterr()
     token = tiny_tokenizer().convert_ids_to_tokens(first)
     assert out == "\n" and err.strip().splitlines()[-1] == (
-        f"(no reply: the model ended its turn at once with {token}; rephrase the message, /reset, or sample (start chat with --temperature 0.8))"
+        f"(no reply: the model ended the text at once with its end-of-text token {token}; rephrase the message, /reset, or sample "
+        "(start chat with --temperature 0.8))"
     )
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
     assert main(["chat", str(ckpt), "--mode", "dense", "--max-new-tokens", "4", "--no-progress", "--context", "256"]) == 0

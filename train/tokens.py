@@ -61,10 +61,7 @@ def _files(spec: SourceSpec, root: Path | None) -> list[Path]:
     pattern = Path(spec.path).expanduser()
     if not pattern.is_absolute():
         pattern = (root or data_root()) / pattern
-    try:
-        return expand(str(pattern))
-    except SparseforgeError as e:
-        raise SparseforgeError(f"source {spec.name!r}: {e}".replace("pass --data PATH_OR_GLOB", "fix its path, set data_root")) from None
+    return expand(str(pattern), what=f"source {spec.name!r}: ", fix="fix its path, set data_root")
 
 
 def check_sources(sources: dict, root: str | None) -> None:
