@@ -318,8 +318,10 @@ def run_eval(
         if n is not None and n < 1:
             raise SparseforgeError(f"--limit must be a positive number of documents, got {n}")
     ckpt = Path(ckpt)
-    if "sparse" in configs and not (ckpt / "predictors.json").is_file():
-        raise SparseforgeError(f"{ckpt} has no predictors.json for the sparse row; run `sparseforge predictors train {ckpt}` or pass --configs original,oracle")
+    if "sparse" in configs:
+        from sparseforge.predictors.store import require_predictors
+
+        require_predictors(ckpt, "pass --configs without sparse (e.g. original,oracle)")
     choice = choose_tasks(tasks, include_paths)
     names = choice.names
     counts = _limits_per_task(choice, limit, task_limits or {})

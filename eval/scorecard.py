@@ -22,7 +22,6 @@ from sparseforge.atomic import atomic_path, atomic_write_text
 from sparseforge.checkpoint import write_artifact
 from sparseforge.data import pretrain_prompt
 from sparseforge.errors import SparseforgeError
-from sparseforge.files import remedy, require_file
 
 SCORECARD_FORMAT_VERSION = 1
 ACCURACY_TO_MODE = {"original": "dense", "oracle": "oracle", "sparse": "sparse"}
@@ -73,8 +72,9 @@ def measure_speed(ckpt: str | Path, settings: SpeedSettings, progress: bool = Tr
     if settings.prompt_tokens + settings.decode_tokens > settings.context:
         raise SparseforgeError(f"--prompt-tokens + --decode-tokens ({settings.prompt_tokens + settings.decode_tokens}) exceed --context {settings.context}")
     if "sparse" in settings.modes:  # before any engine loads
-        path = Path(ckpt) / "predictors.json"
-        require_file(path, f"--modes sparse needs it: {remedy(path, missing=True)}, or pass --modes without sparse (e.g. dense,screen)")
+        from sparseforge.predictors.store import require_predictors
+
+        require_predictors(ckpt, "pass --modes without sparse (e.g. dense,screen)")
     engines, load_rss = {}, {}
     for mode in settings.modes:
         before = _peak_rss_bytes()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from sparseforge.files import damaged
+from sparseforge.files import damaged, remedy, require_file
 from sparseforge.predictors.fit import FittedUnit
 from sparseforge.predictors.model import LowRankPredictor
 from sparseforge.predictors.tensorfile import load_pair, save_pair
@@ -57,6 +57,13 @@ def save_predictors(ckpt: str | Path, fitted: list[FittedUnit], report: dict) ->
         threshold = None if unit.predictor is None else unit.threshold
         units.append({"layer": unit.layer, "expert": unit.expert, "threshold": threshold, **unit.stats})
     save_pair(ckpt, "predictors", tensors, {**report, "units": units}, PREDICTORS_FORMAT_VERSION)
+
+
+def require_predictors(ckpt: str | Path, way_out: str) -> None:
+    """Stop, before anything loads, where the checkpoint has no predictors: one line naming the command that trains
+    them and `way_out` (the caller's choice of a mode without predictors)."""
+    path = Path(ckpt) / "predictors.json"
+    require_file(path, f"{remedy(path, missing=True)}, or {way_out}")
 
 
 def load_predictors(ckpt: str | Path) -> PredictorSet:

@@ -174,12 +174,12 @@ def _check_engine_options(args) -> None:
     """What the engine flags need from each other and from the checkpoint, said in flags, before the model loads."""
     from pathlib import Path
 
+    from sparseforge.predictors.store import require_predictors
     from sparseforge.runtime.sizes import parse_size
 
     check_positive(context=args.context, threads=args.threads)
-    if args.mode == "sparse" and (Path(args.ckpt) / "config.json").is_file() and not (Path(args.ckpt) / "predictors.json").is_file():
-        raise SparseforgeError(f"--mode sparse needs the checkpoint's predictors and {args.ckpt} has none; train them with "
-                               f"`sparseforge predictors train {args.ckpt}`, or run without predictors: --mode screen, oracle or dense")  # fmt: skip
+    if args.mode == "sparse" and (Path(args.ckpt) / "config.json").is_file():
+        require_predictors(args.ckpt, "run without predictors: --mode screen, oracle or dense")
     if args.mode == "screen" and args.weight_dtype == "int8":
         raise SparseforgeError("--mode screen needs float weights (--weight-dtype float32, bfloat16 or float16); with --weight-dtype int8 "
                                "use --mode oracle, which reads the int8 gate rows once")  # fmt: skip

@@ -21,6 +21,7 @@ import torch
 
 from sparseforge.errors import SparseforgeError
 from sparseforge.files import damaged, read_json
+from sparseforge.predictors.store import require_predictors
 from sparseforge.runtime import kernels
 from sparseforge.runtime.forward import AttentionShape, attention_shape, rope_tables
 from sparseforge.runtime.head import FLOAT_DTYPES, HeadScreen, screen_bytes
@@ -164,8 +165,7 @@ def _load_config(ckpt: Path):
 
 
 def _load_predictors(ckpt: Path, config, dtype: str, plan: dict | None) -> dict:
-    if not (ckpt / "predictors.json").is_file():
-        raise SparseforgeError(f"{ckpt} has no predictors (predictors.json); train them with `sparseforge predictors train {ckpt}` or load with mode \"screen\", \"oracle\" or \"dense\"")
+    require_predictors(ckpt, 'load with mode "screen", "oracle" or "dense"')
     predictors = load_unit_predictors(ckpt, dtype)
     for (layer, expert), p in predictors.items():
         shape = None if p is None else (p.fc1[0].shape[1], p.fc2t[0].shape[1])  # (H, I)

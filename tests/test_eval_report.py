@@ -129,6 +129,15 @@ def test_eval_verb_end_to_end(tmp_path, one_thread, capsys):
     assert "--limit wikitext=3 names a task not in --tasks (sf_piqa)" in capsys.readouterr().err
 
 
+def test_eval_without_predictors_stops_before_scoring(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    save_sparse(convert_model(tiny_model("llama"), "drelu"), tiny_tokenizer(), ckpt)
+    capsys.readouterr()
+    assert main(["eval", str(ckpt), "--tasks", "piqa", "--limit", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (f"sparseforge eval: error: {ckpt}/predictors.json does not exist; run `sparseforge predictors "
+                                               f"train {ckpt}` first, or pass --configs without sparse (e.g. original,oracle)")  # fmt: skip
+
+
 def test_parse_limits_reads_counts_for_all_tasks_and_per_task():
     from sparseforge.eval.report import parse_limits
 

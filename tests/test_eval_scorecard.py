@@ -68,5 +68,5 @@ def test_scorecard_without_predictors_stops_before_loading(tmp_path, capsys, mon
     assert main(["scorecard", str(tmp_path / "ckpt"), "--repeats", "1"]) == 2
     err = capsys.readouterr().err.strip()
     ckpt = tmp_path / "ckpt"
-    assert err == (f"sparseforge scorecard: error: {ckpt}/predictors.json does not exist; --modes sparse needs it: run "
-                   f"`sparseforge predictors train {ckpt}` first, or pass --modes without sparse (e.g. dense,screen)")  # fmt: skip
+    assert err == (f"sparseforge scorecard: error: {ckpt}/predictors.json does not exist; run `sparseforge predictors train {ckpt}` first, "
+                   "or pass --modes without sparse (e.g. dense,screen)")  # fmt: skip

@@ -148,8 +148,8 @@ def test_sparse_mode_without_predictors_is_said_in_flags(ckpt, tmp_path, capsys)
     shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("predictors.*"))
     assert main(["generate", str(bare), "--prompt", PROMPT, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"sparseforge generate: error: --mode sparse needs the checkpoint's predictors and {bare} has none; train them with "
-                   f"`sparseforge predictors train {bare}`, or run without predictors: --mode screen, oracle or dense")  # fmt: skip
+    assert err == (f"sparseforge generate: error: {bare}/predictors.json does not exist; run `sparseforge predictors train {bare}` first, "
+                   "or run without predictors: --mode screen, oracle or dense")  # fmt: skip
 
 
 def test_generate_says_why_nothing_was_generated(ckpt, tmp_path, capsys):

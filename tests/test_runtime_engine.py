@@ -111,6 +111,14 @@ def test_sparse_with_all_active_predictors_equals_dense(tmp_path, one_thread):
     assert engine.stats()["neurons_computed_fraction"] == 1.0
 
 
+def test_sparse_mode_without_predictors_names_the_way_out(tmp_path):
+    ckpt = _save(convert_model(tiny_model("llama"), "drelu"), tmp_path / "ckpt")
+    with pytest.raises(SparseforgeError) as e:
+        Engine.load(ckpt, mode="sparse", context=32, progress=False)
+    assert str(e.value) == (f"{ckpt}/predictors.json does not exist; run `sparseforge predictors train {ckpt}` first, "
+                            'or load with mode "screen", "oracle" or "dense"')
+
+
 def _hf_greedy(model, prompt, n):
     ids = torch.tensor([prompt])
     out = []
