@@ -1,11 +1,9 @@
 """benchmarks/recall_curve.py end to end on a tiny checkpoint: the curve is monotone, the checkpoint is untouched."""
 
-import gzip
 import json
 
-import torch
 from scripts import load_script
-from tiny import tiny_model, tiny_tokenizer
+from tiny import tiny_model, tiny_tokenizer, word_documents
 
 from sparseforge.checkpoint import save_sparse
 from sparseforge.cli import main
@@ -13,12 +11,7 @@ from sparseforge.sparsify.convert import convert_model
 
 
 def test_recall_curve(tmp_path, one_thread):
-    data = tmp_path / "text.jsonl.gz"
-    words = "the quick brown fox jumps over lazy dog def add return question answer sparse".split()
-    g = torch.Generator().manual_seed(0)
-    with gzip.open(data, "wt") as f:
-        for i in range(200):
-            f.write(json.dumps({"text": " ".join(words[j] for j in torch.randint(0, len(words), (30,), generator=g).tolist())}) + "\n")
+    data = word_documents(tmp_path / "text.jsonl.gz", 200)
     ckpt = tmp_path / "ckpt"
     save_sparse(convert_model(tiny_model("llama"), "drelu"), tiny_tokenizer(), ckpt)
     assert main(["predictors", "train", str(ckpt), "--tokens", "1024", "--heldout-tokens", "256", "--budget", "0.5", "--max-epochs", "1",

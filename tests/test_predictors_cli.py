@@ -1,11 +1,10 @@
 """The predictors verbs end to end on a tiny checkpoint, the PowerInfer layout, and one-line errors."""
 
-import gzip
 import json
 
 import pytest
 import torch
-from tiny import tiny_model, tiny_tokenizer
+from tiny import tiny_model, tiny_tokenizer, word_documents
 
 from sparseforge.checkpoint import save_sparse
 from sparseforge.cli import main
@@ -19,14 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "text.jsonl.gz"
-    words = "the quick brown fox jumps over lazy dog def add return question answer sparse".split()
-    g = torch.Generator().manual_seed(0)
-    with gzip.open(path, "wt") as f:
-        for i in range(300):
-            text = " ".join(words[j] for j in torch.randint(0, len(words), (30,), generator=g).tolist())
-            f.write(json.dumps({"text": f"Document {i}: {text}."}) + "\n")
-    return path
+    return word_documents(tmp_path_factory.mktemp("data") / "text.jsonl.gz", 300, numbered=True)
 
 
 def _sparse(tmp_path, family="llama"):

@@ -1,5 +1,9 @@
 """Tiny random models of every supported family, and a tiny tokenizer, built offline in the test."""
 
+import gzip
+import json
+from pathlib import Path
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
@@ -36,6 +40,17 @@ def random_windows(n: int, seq_len: int, seed: int = 0, vocab_size: int = 300) -
     """n windows of seq_len random token ids (a seeded stand-in for packed text)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (seq_len,), generator=g).tolist() for _ in range(n)]
+
+
+def word_documents(path: Path, docs: int, numbered: bool = False) -> Path:
+    """A .jsonl.gz of `docs` documents of 30 random words each (seeded), "Document i: ... ." when numbered."""
+    words = "the quick brown fox jumps over lazy dog def add return question answer sparse".split()
+    g = torch.Generator().manual_seed(0)
+    with gzip.open(path, "wt") as f:
+        for i in range(docs):
+            text = " ".join(words[j] for j in torch.randint(0, len(words), (30,), generator=g).tolist())
+            f.write(json.dumps({"text": f"Document {i}: {text}." if numbered else text}) + "\n")
+    return path
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
