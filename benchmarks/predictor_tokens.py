@@ -32,10 +32,6 @@ COLUMNS = [("tokens", "training tokens", ","), ("budget", "budget", "g"), ("trai
            ("knee_recall", "knee recall", "g"), ("knee_predicted", "predicted active at the knee", ".1%"), ("knee_ppl_increase", "knee ppl", "+.2%")]  # fmt: skip
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v.replace("_", "")) for v in text.split(",")]
-
-
 def knee(view: Path, args) -> dict:
     """`predictors calibrate` without a target on a variant's view: the knee of its recall/cost curve."""
     from sparseforge.predictors.verbs import calibrate
@@ -45,13 +41,13 @@ def knee(view: Path, args) -> dict:
     return {"knee_recall": point["target_recall"], "knee_predicted": point["fresh"]["predicted_fraction"], "knee_ppl_increase": point["ppl_increase"]}
 
 
-def run_variant(ckpt: Path, work: Path, tokens: int, budget: float, args, skip: int) -> dict:
-    """Train and evaluate one variant on its own scratch view; the row of the results table."""
+def run_variant(ckpt: Path, view: Path, tokens: int, budget: float, args, skip: int) -> dict:
+    """Train and evaluate one variant on its own scratch view of the checkpoint at `view`; the row of the results table."""
     from sparseforge.data import TextStream
     from sparseforge.predictors.fit import FitConfig
     from sparseforge.predictors.verbs import evaluate, train_predictors
 
-    view = scratch_view(ckpt, work / f"t{tokens}-b{budget:g}")
+    scratch_view(ckpt, view)
     for name in ("predictors.json", "predictors.safetensors"):
         (view / name).unlink(missing_ok=True)
     data = tuple(args.data) if args.data else None
@@ -90,7 +86,7 @@ def main(argv=None) -> int:
     p.add_argument("--fresh", action="store_true", help="train every variant again, even those already in the results file")
     args = p.parse_args(argv)
     ckpt = Path(args.ckpt)
-    tokens, budgets = _ints(args.tokens), [float(b) for b in args.budgets.split(",")]
+    tokens, budgets = [int(t) for t in args.tokens.split(",")], [float(b) for b in args.budgets.split(",")]
     skip = args.skip_tokens if args.skip_tokens is not None else max(tokens) + args.heldout_tokens + 2 * args.seq_len
     if skip < max(tokens) + args.heldout_tokens:
         raise SystemExit(f"--skip-tokens {skip} would evaluate on training or held-out text; give at least {max(tokens) + args.heldout_tokens}")
@@ -104,11 +100,8 @@ def main(argv=None) -> int:
     command = "python benchmarks/predictor_tokens.py " + " ".join(argv if argv is not None else sys.argv[1:])
     for t in tokens:
         for b in budgets:
-            view = Path(args.work) / args.out / f"t{t}-b{b:g}"
             if (t, b) not in done:
-                done[(t, b)] = {**run_variant(ckpt, Path(args.work) / args.out, t, b, args, skip), "command": command}
-            elif "knee_predicted" not in done[(t, b)] and (view / "predictors.json").is_file():  # a row from before the knee columns
-                done[(t, b)] = {**done[(t, b)], **knee(view, args), "command": done[(t, b)]["command"] + "; " + command}
+                done[(t, b)] = {**run_variant(ckpt, Path(args.work) / args.out / f"t{t}-b{b:g}", t, b, args, skip), "command": command}
             row = done[(t, b)]
             print(f"{t} tokens, budget {b:g}: {row['predicted']:.1%} predicted active at fresh recall {row['recall']:.4f}, "
                   f"trained in {row['train_min']:.1f} min", flush=True)  # fmt: skip

@@ -21,7 +21,6 @@ import torch
 
 from sparseforge.errors import SparseforgeError
 from sparseforge.files import damaged, read_json
-from sparseforge.predictors.store import require_predictors
 from sparseforge.runtime import kernels
 from sparseforge.runtime.forward import AttentionShape, attention_shape, rope_tables
 from sparseforge.runtime.head import FLOAT_DTYPES, HeadScreen, screen_bytes
@@ -165,6 +164,8 @@ def _load_config(ckpt: Path):
 
 
 def _load_predictors(ckpt: Path, config, dtype: str, plan: dict | None) -> dict:
+    from sparseforge.predictors.store import require_predictors
+
     require_predictors(ckpt, 'load with mode "screen", "oracle" or "dense"')
     predictors = load_unit_predictors(ckpt, dtype)
     for (layer, expert), p in predictors.items():
