@@ -23,9 +23,11 @@ offload and HF on the device run on CUDA only. Writes benchmarks/results/hybrid-
 
 import argparse
 import gc
+import os
 import sys
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
@@ -58,10 +60,9 @@ class Ours:
     def __init__(self, ckpt, mode, dtype, context, threads, device=None, budget=None, eager=False):
         from sparseforge.runtime.engine import Engine
 
-        self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False,
-                                  device=device if budget else None, device_memory=budget)  # fmt: skip
-        if eager:  # the step without device graphs (what SPARSEFORGE_DEVICE_GRAPHS=0 loads; graphs are captured on first use)
-            self.engine.step.graphs = None
+        with patch.dict(os.environ, {"SPARSEFORGE_DEVICE_GRAPHS": "0"} if eager else {}):  # eager: the step without graphs
+            self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False,
+                                      device=device if budget else None, device_memory=budget)  # fmt: skip
         self.budget = budget
         self.name = f"sparseforge {mode} {dtype}, " + (f"{device} {budget} MLP" + (", eager step" if eager else "") if budget else "CPU engine")
         tier = self.engine.stats().get("device")

@@ -11,6 +11,7 @@ from tiny import random_windows, tiny_model
 from sparseforge.errors import SparseforgeError
 from sparseforge.families import mlp_activations
 from sparseforge.sparsify.convert import convert_model
+from sparseforge.train import layerwise
 from sparseforge.train.layerwise import LayerwiseSettings, _attention_part, _refit_down, distill_layerwise, token_weights
 
 
@@ -58,8 +59,6 @@ def test_stream_target_matches_mlp_target_at_layer_0_and_needs_student_inputs():
 
 @pytest.mark.parametrize("inputs", ["teacher", "student"])
 def test_the_errors_are_measured_on_strided_tokens_and_training_uses_all(monkeypatch, inputs):
-    import sparseforge.train.layerwise as layerwise
-
     dense = tiny_model("llama", layers=2)
     ids = torch.tensor(random_windows(4, 32))  # 128 tokens per layer
     settings = LayerwiseSettings(epochs=1, lr=1e-3, batch_tokens=32, inputs=inputs)
@@ -75,8 +74,6 @@ def test_the_errors_are_measured_on_strided_tokens_and_training_uses_all(monkeyp
 
 @pytest.mark.parametrize("init", ["lsq", "split"])
 def test_the_init_gives_the_same_mlp_whether_or_not_it_keeps_the_pre_activations(monkeypatch, init):
-    import sparseforge.train.layerwise as layerwise
-
     dense = tiny_model("llama", layers=2)
     ids = torch.tensor(random_windows(8, 32))
     settings = LayerwiseSettings(epochs=0, inputs="student", init=init)
@@ -88,6 +85,21 @@ def test_the_init_gives_the_same_mlp_whether_or_not_it_keeps_the_pre_activations
     assert [s["flipped"] for s in a] == [s["flipped"] for s in b] and any(s["flipped"] for s in a)
     for p, q in zip(kept.parameters(), recomputed.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    for s, t in zip(a, b):  # the kept pre-activations give the target and the student's output (the stream moves on with)
+        for key in ("rel_mse_before", "rel_mse_init", "rel_mse_after"):
+            assert s[key] == pytest.approx(t[key], rel=1e-4)
+
+
+def test_the_teacher_pass_is_the_dense_mlp_and_keeps_its_pre_activations(monkeypatch):
+    mlp = tiny_model("llama", layers=1).model.layers[0].mlp
+    x = torch.randn(100, mlp.gate_proj.weight.shape[1])
+    monkeypatch.setattr(layerwise, "_CHUNK", 48)
+    y, pre = layerwise._teacher_pass(mlp, x, keep=True)
+    assert layerwise._teacher_pass(mlp, x, keep=False)[1] is None
+    with torch.no_grad():
+        torch.testing.assert_close(y, mlp(x))
+        assert [len(g) for g, _ in pre] == [48, 48, 4]
+        torch.testing.assert_close(torch.cat([u for _, u in pre]), mlp.up_proj(x))
 
 
 @pytest.mark.parametrize("epochs", [0, 1])

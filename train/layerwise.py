@@ -24,7 +24,9 @@ lam = `ridge` times the mean diagonal of H^T H.
 Both steps are closed form; they alone take most layers' relative error from 0.3-0.8 to 0.05-0.6.
 `init="split"` chooses among all 2I (neuron, sign) candidates instead of one sign per neuron: the I whose output
 relu(g) * relu(+-u) * ||d|| carries the most energy on x, so a neuron whose output comes with both signs of up
-keeps both halves and the weakest neurons make room; the refit is the same.
+keeps both halves and the weakest neurons make room; the refit is the same. The target, the choice, the refit and
+(without Adam) the student's output read one computation of the tokens' gate and up pre-activations (kept up to
+LSQ_CACHE_BYTES). `epochs=0` is the closed form alone.
 
 The token weights. Every sum over tokens above (the init's choice and refit, Adam's loss, the reported errors)
 weighs token t by w_t: 1 (`weights="uniform"`), or 1 / mean(h_t^2), h_t the stream after the layer on target,
@@ -49,7 +51,7 @@ from sparseforge.train.thresholds import THRESHOLD_TOKENS
 
 _CHUNK = 4096  # tokens per matmul when streaming over all tokens of a layer
 DIAG_TOKENS = 4096  # the per-layer relative errors are measured on this many of a layer's tokens, evenly strided
-LSQ_CACHE_BYTES = 4 << 30  # the init keeps each token's gate and up pre-activations between its two passes up to this size
+LSQ_CACHE_BYTES = 4 << 30  # up to this size a layer's gate and up pre-activations are computed once for target, init, refit and output
 
 
 @dataclass(frozen=True)
@@ -108,30 +110,58 @@ def _apply(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _rebuild(student_mlp, teacher_mlp, x: torch.Tensor, w: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Tensor, list | None]:
+def _output(mlp: nn.Module, x: torch.Tensor, pre: list | None) -> torch.Tensor:
+    """mlp over x [T, H]; pre: its pre-activations per chunk (_rebuild's, valid until Adam moves gate or up), so only
+    down runs."""
+    if pre is None:
+        return _apply(mlp, x)
+    return torch.cat([mlp.down_proj(mlp.activation(g, u)) for g, u in pre])
+
+
+@torch.no_grad()
+def _teacher_pass(teacher_mlp, x: torch.Tensor, keep: bool) -> tuple[torch.Tensor, list | None]:
+    """The dense MLP's output y = down(act(gate(x)) * up(x)) on x [T, H], chunk by chunk, and (keep=True) each
+    chunk's pre-activations (gate, up), which the init reads instead of computing them again."""
+    ys, pre = [], [] if keep else None
+    for i in range(0, len(x), _CHUNK):
+        g, u = teacher_mlp.gate_proj(x[i : i + _CHUNK]), teacher_mlp.up_proj(x[i : i + _CHUNK])
+        ys.append(teacher_mlp.down_proj(teacher_mlp.act_fn(g) * u))
+        if keep:
+            pre.append((g, u))
+    return torch.cat(ys), pre
+
+
+@torch.no_grad()
+def _rebuild(student_mlp, teacher_mlp, x: torch.Tensor, w: torch.Tensor, split: bool,
+             pre: list | None = None) -> tuple[torch.Tensor, torch.Tensor, list | None]:  # fmt: skip
     """Rebuild gate and up from the teacher's (see the module docstring): each neuron reads one of the 2I candidates
     (teacher neuron k, sign s), gate_k and s * up_k. split=False: every k once, with the sign that keeps more of its
     SwiGLU output on x [T, H]; split=True: the I candidates of largest output energy, so a neuron whose output comes
-    with both signs of up can keep both halves. w [T]: token weights. Returns source [I], sign [I] and, if they fit LSQ_CACHE_BYTES, each
-    chunk's student pre-activations (gate, up) for the refit (else None: it recomputes them)."""
+    with both signs of up can keep both halves. w [T]: token weights. pre: the teacher's pre-activations per chunk
+    (_teacher_pass), turned into the student's in place; without them they are computed here and kept if they fit
+    LSQ_CACHE_BYTES. Returns source [I], sign [I] and the student's pre-activations per chunk (or None: the refit
+    computes them)."""
     wg, wu, wd = teacher_mlp.gate_proj.weight, teacher_mlp.up_proj.weight, teacher_mlp.down_proj.weight  # [I, H], [H, I]
     if any(getattr(m, "bias", None) is not None for m in (student_mlp.gate_proj, student_mlp.up_proj, student_mlp.down_proj)):
         raise SparseforgeError(f"layerwise_init: {'split' if split else 'lsq'} needs MLPs without biases; set layerwise_init: none")
     plus = torch.zeros(wg.shape[0], dtype=torch.float64, device=x.device)  # per neuron, its +up and -up halves' score
     minus = torch.zeros_like(plus)
-    pre = [] if 2 * len(x) * wg.shape[0] * x.element_size() <= LSQ_CACHE_BYTES else None
-    for i in range(0, len(x), _CHUNK):
-        g, u = x[i : i + _CHUNK] @ wg.T, x[i : i + _CHUNK] @ wu.T  # [t, I]
+    given = pre is not None
+    if not given and 2 * len(x) * wg.shape[0] * x.element_size() <= LSQ_CACHE_BYTES:
+        pre = []
+    for k, i in enumerate(range(0, len(x), _CHUNK)):
+        g, u = pre[k] if given else (x[i : i + _CHUNK] @ wg.T, x[i : i + _CHUNK] @ wu.T)  # [t, I]
         wt = w[i : i + _CHUNK, None]
-        if split:  # output energy (more is better)
-            plus += (F.relu(g) * F.relu(u)).pow(2).mul_(wt).sum(0, dtype=torch.float64)
-            minus += (F.relu(g) * F.relu(-u)).pow(2).mul_(wt).sum(0, dtype=torch.float64)
+        if split:  # output energy (more is better): relu(g)^2 u^2, split by the sign of u
+            e, up = F.relu(g).mul_(u).square_(), u > 0  # [t, I]
+            plus += (wt.T @ (e * up))[0].double()
+            minus += (wt.T @ e.mul_(~up))[0].double()
         else:  # error against the SwiGLU output (less is better)
             s = F.silu(g) * u
             plus += (s - F.relu(g) * F.relu(u)).pow(2).mul_(wt).sum(0, dtype=torch.float64)
             minus += (s + F.relu(g) * F.relu(-u)).pow(2).mul_(wt).sum(0, dtype=torch.float64)
             del s
-        if pre is not None:
+        if pre is not None and not given:
             pre.append((g, u))
     width = wg.shape[0]
     if split:
@@ -151,14 +181,12 @@ def _rebuild(student_mlp, teacher_mlp, x: torch.Tensor, w: torch.Tensor, split: 
 def _refit_down(student_mlp, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, d0: torch.Tensor, pre: list | None,
                 ridge: float) -> None:  # fmt: skip
     """down by ridge least squares on all tokens (weighted by w [T]), shrunk towards d0 [H, I], through the student's
-    activation (with its threshold): see the module docstring. pre: _rebuild's pre-activations, consumed."""
+    activation (with its threshold): see the module docstring. pre: _rebuild's pre-activations (or None)."""
     width = d0.shape[1]
     hth = torch.zeros(width, width, dtype=torch.float64, device=x.device)
     yth = torch.zeros(d0.shape[0], width, dtype=torch.float64, device=x.device)
     for k, i in enumerate(range(0, len(x), _CHUNK)):
         g, u = pre[k] if pre is not None else (student_mlp.gate_proj(x[i : i + _CHUNK]), student_mlp.up_proj(x[i : i + _CHUNK]))
-        if pre is not None:
-            pre[k] = None
         h = student_mlp.activation(g, u)  # [t, I]
         hw = h * w[i : i + _CHUNK, None]
         hth += (hw.T @ h).double()
@@ -255,8 +283,10 @@ def distill_layerwise(student, teacher, windows: torch.Tensor, settings: Layerwi
         x, residual = _attention_part(source, l, stream, s.forward_batch)
         x = x.reshape(-1, x.shape[-1])  # [T, H]
         teacher_mlp, mlp = teacher.model.layers[l].mlp, student.model.layers[l].mlp
+        pre = None  # the teacher's and then the student's pre-activations, computed once for the target, init and output
         if dense is None:
-            y = _apply(teacher_mlp, x)  # [T, H]
+            keep = s.init != "none" and 2 * len(x) * mlp.gate_proj.weight.shape[0] * x.element_size() <= LSQ_CACHE_BYTES
+            y, pre = _teacher_pass(teacher_mlp, x, keep)  # [T, H]
         else:
             tx, tr = _attention_part(teacher, l, dense, s.forward_batch)
             dense = tr + _apply(teacher_mlp, tx.reshape(-1, tx.shape[-1])).reshape(tr.shape)
@@ -266,7 +296,8 @@ def distill_layerwise(student, teacher, windows: torch.Tensor, settings: Layerwi
         probe = slice(None, None, -(-len(x) // DIAG_TOKENS))  # the diagnostics' tokens (training uses all of them)
         xp, yp, wp = x[probe], y[probe], w[probe]
         row = {"layer": l, "rel_mse_before": _rel_mse(mlp, xp, yp, wp)}
-        picked, sign, pre = _rebuild(mlp, teacher_mlp, x, w, s.init == "split") if s.init != "none" else (None, None, None)
+        if s.init != "none":
+            picked, sign, pre = _rebuild(mlp, teacher_mlp, x, w, s.init == "split", pre)
         if s.target_zeros is not None:
             row.update(_set_threshold(mlp, x, s.target_zeros))
         if s.init != "none":
@@ -274,14 +305,15 @@ def distill_layerwise(student, teacher, windows: torch.Tensor, settings: Layerwi
             row["flipped"] = int((sign < 0).sum())
             row["both_halves"] = int(len(picked) - picked.unique().numel())  # teacher neurons read with both signs
             row["rel_mse_init"] = _rel_mse(mlp, xp, yp, wp)
-        del pre
         if s.epochs:
+            pre = None  # Adam moves gate and up
             _fit(mlp, x, y, w, s, s.seed + l)
             if s.target_zeros is not None:  # Adam moved the products: the threshold again, for the target exactly
                 row["threshold"] = _set_threshold(mlp, x, s.target_zeros)["threshold"]
         if s.target_zeros is not None:
             row["zero_fraction_after"] = _zero_fraction(mlp, xp)
-        out = y if s.inputs == "teacher" else _apply(mlp, x)  # what the stream moves on with
+        out = y if s.inputs == "teacher" else _output(mlp, x, pre)  # what the stream moves on with
+        del pre
         row["rel_mse_after"] = _rel_mse(mlp, xp, yp, wp) if s.inputs == "teacher" else _rel_err(out[probe], yp, wp)
         stream = residual + out.reshape(residual.shape)
         del x, y, w, xp, yp, wp, out, residual
