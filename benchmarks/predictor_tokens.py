@@ -48,7 +48,7 @@ def run_variant(ckpt: Path, view: Path, tokens: int, budget: float, args, skip: 
     from sparseforge.predictors.verbs import evaluate, train_predictors
 
     scratch_view(ckpt, view)
-    for name in ("predictors.json", "predictors.safetensors"):
+    for name in ("predictors.json", "predictors.safetensors"):  # the checkpoint's own: the view links to its weights
         (view / name).unlink(missing_ok=True)
     data = tuple(args.data) if args.data else None
     stream = TextStream(data, tokens=tokens, seq_len=args.seq_len, threads=args.threads, progress=False)

@@ -72,11 +72,13 @@ def test_the_errors_are_measured_on_strided_tokens_and_training_uses_all(monkeyp
     assert all(b["rel_mse_after"] < b["rel_mse_before"] for b in some)
 
 
+@pytest.mark.parametrize("target", ["mlp", "stream"])
 @pytest.mark.parametrize("init", ["lsq", "split"])
-def test_the_init_gives_the_same_mlp_whether_or_not_it_keeps_the_pre_activations(monkeypatch, init):
+def test_the_init_gives_the_same_mlp_whether_or_not_it_keeps_the_pre_activations(monkeypatch, init, target):
+    """Kept: the teacher's pass (mlp target) or the init (stream target) computes them once; else each step again."""
     dense = tiny_model("llama", layers=2)
     ids = torch.tensor(random_windows(8, 32))
-    settings = LayerwiseSettings(epochs=0, inputs="student", init=init)
+    settings = LayerwiseSettings(epochs=0, inputs="student", init=init, target=target)
     monkeypatch.setattr(layerwise, "_CHUNK", 48)  # 256 tokens in six chunks, the last one short
     kept, recomputed = convert_model(copy.deepcopy(dense), "drelu"), convert_model(copy.deepcopy(dense), "drelu")
     a = distill_layerwise(kept, dense, ids, settings, progress=False)

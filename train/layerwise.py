@@ -132,25 +132,24 @@ def _teacher_pass(teacher_mlp, x: torch.Tensor, keep: bool) -> tuple[torch.Tenso
 
 
 @torch.no_grad()
-def _rebuild(student_mlp, teacher_mlp, x: torch.Tensor, w: torch.Tensor, split: bool,
-             pre: list | None = None) -> tuple[torch.Tensor, torch.Tensor, list | None]:  # fmt: skip
+def _rebuild(student_mlp, teacher_mlp, x: torch.Tensor, w: torch.Tensor, split: bool, pre: list | None,
+             keep: bool) -> tuple[torch.Tensor, torch.Tensor, list | None]:  # fmt: skip
     """Rebuild gate and up from the teacher's (see the module docstring): each neuron reads one of the 2I candidates
     (teacher neuron k, sign s), gate_k and s * up_k. split=False: every k once, with the sign that keeps more of its
     SwiGLU output on x [T, H]; split=True: the I candidates of largest output energy, so a neuron whose output comes
     with both signs of up can keep both halves. w [T]: token weights. pre: the teacher's pre-activations per chunk
-    (_teacher_pass), turned into the student's in place; without them they are computed here and kept if they fit
-    LSQ_CACHE_BYTES. Returns source [I], sign [I] and the student's pre-activations per chunk (or None: the refit
-    computes them)."""
+    (_teacher_pass), turned into the student's in place; without them they are computed here, and kept when `keep`.
+    Returns source [I], sign [I] and the student's pre-activations per chunk (or None: the refit computes them)."""
     wg, wu, wd = teacher_mlp.gate_proj.weight, teacher_mlp.up_proj.weight, teacher_mlp.down_proj.weight  # [I, H], [H, I]
     if any(getattr(m, "bias", None) is not None for m in (student_mlp.gate_proj, student_mlp.up_proj, student_mlp.down_proj)):
         raise SparseforgeError(f"layerwise_init: {'split' if split else 'lsq'} needs MLPs without biases; set layerwise_init: none")
     plus = torch.zeros(wg.shape[0], dtype=torch.float64, device=x.device)  # per neuron, its +up and -up halves' score
     minus = torch.zeros_like(plus)
-    given = pre is not None
-    if not given and 2 * len(x) * wg.shape[0] * x.element_size() <= LSQ_CACHE_BYTES:
-        pre = []
+    computed = pre is None
+    if computed:
+        pre = [] if keep else None
     for k, i in enumerate(range(0, len(x), _CHUNK)):
-        g, u = pre[k] if given else (x[i : i + _CHUNK] @ wg.T, x[i : i + _CHUNK] @ wu.T)  # [t, I]
+        g, u = (x[i : i + _CHUNK] @ wg.T, x[i : i + _CHUNK] @ wu.T) if computed else pre[k]  # [t, I]
         wt = w[i : i + _CHUNK, None]
         if split:  # output energy (more is better): relu(g)^2 u^2, split by the sign of u
             e, up = F.relu(g).mul_(u).square_(), u > 0  # [t, I]
@@ -161,7 +160,7 @@ def _rebuild(student_mlp, teacher_mlp, x: torch.Tensor, w: torch.Tensor, split: 
             plus += (s - F.relu(g) * F.relu(u)).pow(2).mul_(wt).sum(0, dtype=torch.float64)
             minus += (s + F.relu(g) * F.relu(-u)).pow(2).mul_(wt).sum(0, dtype=torch.float64)
             del s
-        if pre is not None and not given:
+        if computed and keep:
             pre.append((g, u))
     width = wg.shape[0]
     if split:
@@ -284,8 +283,8 @@ def distill_layerwise(student, teacher, windows: torch.Tensor, settings: Layerwi
         x = x.reshape(-1, x.shape[-1])  # [T, H]
         teacher_mlp, mlp = teacher.model.layers[l].mlp, student.model.layers[l].mlp
         pre = None  # the teacher's and then the student's pre-activations, computed once for the target, init and output
+        keep = s.init != "none" and 2 * len(x) * mlp.gate_proj.weight.shape[0] * x.element_size() <= LSQ_CACHE_BYTES
         if dense is None:
-            keep = s.init != "none" and 2 * len(x) * mlp.gate_proj.weight.shape[0] * x.element_size() <= LSQ_CACHE_BYTES
             y, pre = _teacher_pass(teacher_mlp, x, keep)  # [T, H]
         else:
             tx, tr = _attention_part(teacher, l, dense, s.forward_batch)
@@ -297,7 +296,7 @@ def distill_layerwise(student, teacher, windows: torch.Tensor, settings: Layerwi
         xp, yp, wp = x[probe], y[probe], w[probe]
         row = {"layer": l, "rel_mse_before": _rel_mse(mlp, xp, yp, wp)}
         if s.init != "none":
-            picked, sign, pre = _rebuild(mlp, teacher_mlp, x, w, s.init == "split", pre)
+            picked, sign, pre = _rebuild(mlp, teacher_mlp, x, w, s.init == "split", pre, keep)
         if s.target_zeros is not None:
             row.update(_set_threshold(mlp, x, s.target_zeros))
         if s.init != "none":
