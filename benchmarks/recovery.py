@@ -49,8 +49,11 @@ def _trained(recipe, ckpt: Path) -> bool:
     return all(ran.get(k, defaults.get(k)) == v for k, v in wanted.items())  # keys a run predates count at their default
 
 
-def _row_key(recipe: str, overrides: list[str], score: dict) -> str:
-    return hashlib.sha256(json.dumps([Path(recipe).read_text(), overrides, score], sort_keys=True).encode()).hexdigest()[:16]
+def _row_key(base, row: dict, score: dict) -> str:
+    """What a row's result depends on: the base recipe's resolved settings (not its file's text: comments and layout
+    do not count), the row's overrides and start row, and the scoring."""
+    settings = {k: v for k, v in base.to_dict().items() if k != "output_dir"}
+    return hashlib.sha256(json.dumps([settings, row.get("set", []), row.get("start"), score], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 @torch.no_grad()
@@ -127,7 +130,7 @@ def main(argv=None) -> int:
     result = {"command": "python benchmarks/recovery.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "environment": env, "spec": spec, "rows": []}
     base = load_recipe(spec["recipe"], spec.get("common", []))
-    key = _row_key(spec["recipe"], [], spec["score"])
+    key = _row_key(base, {}, spec["score"])
     write = (lambda: _write(out, result, spec, done))  # fmt: skip
     if _complete(done.get("original"), key):
         result["rows"].append(done["original"])
@@ -142,7 +145,7 @@ def main(argv=None) -> int:
         overrides = list(spec.get("common", [])) + list(row.get("set", [])) + [f"output_dir={work / row['name']}"]
         if row.get("start"):
             overrides += [f"model={work / row['start'] / 'checkpoint'}", f"teacher={base.model}", "layerwise_tokens=0"]
-        key = _row_key(spec["recipe"], overrides, spec["score"])
+        key = _row_key(base, row, spec["score"])
         if only is not None and row["name"] not in only:  # not asked for: _write keeps its previous result, if any
             continue
         if only is None and _complete(done.get(row["name"]), key):

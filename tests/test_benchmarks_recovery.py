@@ -2,6 +2,7 @@
 measured (not asked for, or not reached yet), in the rows file's order."""
 
 import json
+from pathlib import Path
 
 from scripts import load_script
 
@@ -81,3 +82,20 @@ def test_a_row_stopped_while_scoring_is_kept_partial_and_finished_later(tmp_path
     final = json.loads(out.with_suffix(".json").read_text())["rows"][0]
     assert "partial" not in final and set(final["scores"]) == {"piqa", "arc_easy", "wikitext"} and rec._complete(final, "k")
     assert scored == ["piqa", "arc_easy", "stop", "wikitext"]  # only the missing task was scored again
+
+
+def test_a_rows_key_follows_the_settings_not_the_recipe_files_text(tmp_path):
+    from sparseforge.train.recipe import load_recipe
+
+    rec = load_script("recovery")
+    text = Path("recipes/smollm2-135m-quickstart.yaml").read_text()
+    edited = tmp_path / "edited.yaml"
+    edited.write_text("# a new comment\n" + text.replace("# peak AdamW learning rate", "# the peak learning rate"))
+    score, row = {"piqa": 10}, {"name": "a", "set": ["lr=1e-4"]}
+    key = rec._row_key(load_recipe("recipes/smollm2-135m-quickstart.yaml"), row, score)
+    assert rec._row_key(load_recipe(edited), row, score) == key  # comments do not count
+    assert rec._row_key(load_recipe(edited, ["output_dir=elsewhere"]), row, score) == key  # nor where the row trains
+    assert rec._row_key(load_recipe(edited, ["seed=1"]), row, score) != key  # a setting does
+    assert rec._row_key(load_recipe(edited), {"name": "a", "set": ["lr=2e-4"]}, score) != key
+    assert rec._row_key(load_recipe(edited), {**row, "start": "b"}, score) != key
+    assert rec._row_key(load_recipe(edited), row, {"piqa": 20}) != key
