@@ -53,7 +53,7 @@ def _row_key(base, row: dict, score: dict) -> str:
     """What a row's result depends on: the base recipe's resolved settings (not its file's text: comments and layout
     do not count), the row's overrides and start row, and the scoring."""
     settings = {k: v for k, v in base.to_dict().items() if k != "output_dir"}
-    return hashlib.sha256(json.dumps([settings, row.get("set", []), row.get("start"), score], sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps([settings, row.get("set", []), row.get("start"), score], sort_keys=True).encode()).hexdigest()[:16]
 
 
 @torch.no_grad()

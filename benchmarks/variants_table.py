@@ -27,6 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, environment, markdown_table, write_results  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
+
 from sparseforge.errors import SparseforgeError  # noqa: E402
 from sparseforge.train.recipe import load_recipe  # noqa: E402
 
@@ -39,7 +41,7 @@ def _read(path: Path) -> str:
 
 def load_row(name: str, run: Path, ev: Path) -> dict:
     """One row's sources: the recipe, the last validation loss, the scorecard's predictors eval, the eval."""
-    recipe = load_recipe(run / "recipe.yaml").to_dict()  # a key newer than the run: its default
+    recipe = {k: _in_repo(v) for k, v in load_recipe(run / "recipe.yaml").to_dict().items()}  # a key newer than the run: its default
     metrics = [json.loads(line) for line in _read(run / "metrics.jsonl").splitlines()]
     val = [r for r in metrics if "val_loss" in r and "reference" not in r]
     teacher = [r["val_loss"] for r in metrics if r.get("reference") == "dense teacher"]
@@ -51,11 +53,18 @@ def load_row(name: str, run: Path, ev: Path) -> dict:
     evaluation = json.loads(_read(ev / "eval.json"))
     if "oracle" not in evaluation.get("configs", {}):
         raise SparseforgeError(f"{ev / 'eval.json'} has no oracle row; score it with `sparseforge eval {ev} --configs oracle`")
-    return {"name": name, "run": str(run), "eval": str(ev), "recipe": recipe, "val_loss": val[-1]["val_loss"] if val else None,
+    return {"name": name, "run": _in_repo(str(run)), "eval": _in_repo(str(ev)), "recipe": recipe, "val_loss": val[-1]["val_loss"] if val else None,
             "teacher_val_loss": teacher[0] if teacher else None, "train_seconds": train.get("seconds"),
             "train_zeros": steps[-1]["mlp_zero_fraction"] if steps else None, "exact_mask": held_out.get("oracle") or {},
             "predicted_mask": _predictors_eval(ev) or held_out, "recall_curve": _predictors_eval(ev, "curve"),
             "evaluation": evaluation}
+
+
+def _in_repo(value):
+    """An absolute path inside the repository as a path from its root (a results file names no machine's folders)."""
+    if isinstance(value, str) and Path(value).is_absolute() and Path(value).is_relative_to(ROOT):
+        return str(Path(value).relative_to(ROOT))
+    return value
 
 
 def _predictors_eval(ckpt: Path, key: str = "eval") -> dict:

@@ -37,6 +37,7 @@ def _run(tmp_path, name, init, ppl, accs, limit=400, original=None, card=True, s
 
 def test_rows_show_the_settings_that_differ_and_the_runs_numbers(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(variants, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(variants, "ROOT", tmp_path)  # the runs lie inside the repository
     a = _run(tmp_path, "a", "lsq", 28.27, {"sf_piqa": 0.5, "sf_arc_easy": 0.4})
     b = _run(tmp_path, "b", "split", 24.74, {"sf_piqa": 0.6, "sf_arc_easy": 0.3})
     assert variants.main(["--out", "v", "--row", "lsq", *a, "--row", "split", *b]) == 0
@@ -48,6 +49,7 @@ def test_rows_show_the_settings_that_differ_and_the_runs_numbers(tmp_path, monke
     data = json.loads((tmp_path / "results" / "v.json").read_text())
     assert [r["recipe"]["layerwise_init"] for r in data["rows"]] == ["lsq", "split"]
     assert data["rows"][0]["recipe"]["layerwise_thresholds"] is False  # a key the run's recipe.yaml lacks: its default
+    assert (data["rows"][0]["recipe"]["output_dir"], data["rows"][0]["run"]) == ("a", "a")  # paths from the repository root
 
 
 def test_rows_scored_differently_or_missing_files_are_refused(tmp_path, monkeypatch, capsys):
