@@ -15,7 +15,9 @@ validation loss per source and the mean MLP zero fraction over the validation te
 scored once as the reference row. "train min" is training compute: stage 1 plus the optimizer steps (model
 loading, validation and saves excluded). Nothing measured is lost: the results file is rewritten after every row and
 every task scored (a row stopped while scoring is kept, marked partial), and a re-run trains and scores only what is
-missing (a partial row whose checkpoint is still there gets its other tasks; a row whose settings changed is redone).
+missing (a partial row whose checkpoint is still there gets its other tasks; a row whose settings changed is redone,
+and so is every row that starts from it: each run folder keeps, in `trained-for.txt`, the key of the settings it was
+trained for, its start row's included).
 
     python benchmarks/recovery.py benchmarks/rows/recovery-cpu.yaml
 
@@ -39,21 +41,54 @@ MAIN_METRIC = {"lambada_openai": "acc", "piqa": "acc", "arc_easy": "acc", "arc_c
                "winogrande": "acc", "boolq": "acc", "mmlu": "acc", "wikitext": "word_perplexity"}
 
 
-def _trained(recipe, ckpt: Path) -> bool:
-    """A complete checkpoint of a run with exactly these resolved settings is already there."""
-    run_recipe = Path(recipe.output_dir) / "recipe.yaml"
-    if not ((ckpt / "config.json").is_file() and run_recipe.is_file()):
+TRAINED_FOR = "trained-for.txt"  # in each row's run folder: the training key its checkpoint was trained for
+
+
+def _trained(recipe, ckpt: Path, train_key: str) -> bool:
+    """A complete checkpoint of a run with exactly these resolved settings, trained for this training key (so also
+    from the current checkpoint of its start row), is already there."""
+    run_recipe, stamp = Path(recipe.output_dir) / "recipe.yaml", Path(recipe.output_dir) / TRAINED_FOR
+    if not ((ckpt / "config.json").is_file() and run_recipe.is_file() and stamp.is_file()) or stamp.read_text().strip() != train_key:
         return False
     ran, wanted = yaml.safe_load(run_recipe.read_text()), yaml.safe_load(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     defaults = yaml.safe_load(yaml.safe_dump(type(recipe)(model="", output_dir="", sources={}).to_dict()))
     return all(ran.get(k, defaults.get(k)) == v for k, v in wanted.items())  # keys a run predates count at their default
 
 
-def _row_key(base, row: dict, score: dict) -> str:
-    """What a row's result depends on: the base recipe's resolved settings (not its file's text: comments and layout
-    do not count), the row's overrides and start row, and the scoring."""
-    settings = {k: v for k, v in base.to_dict().items() if k != "output_dir"}
-    return hashlib.sha256(json.dumps([settings, row.get("set", []), row.get("start"), score], sort_keys=True).encode()).hexdigest()[:16]
+def _hash(parts: list) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _settings(base) -> dict:
+    """The base recipe's resolved settings (not its file's text: comments and layout do not count), without where it runs."""
+    return {k: v for k, v in base.to_dict().items() if k != "output_dir"}
+
+
+def _train_key(base, row: dict, rows: dict) -> str:
+    """What a row's checkpoint depends on: the base settings, the row's overrides and, for a row that starts from
+    another, that row's training key (a change anywhere up the chain retrains every row below it)."""
+    start = _train_key(base, rows[row["start"]], rows) if row.get("start") else None
+    return _hash([_settings(base), row.get("set", []), start])
+
+
+def _row_key(base, row: dict, score: dict, rows: dict) -> str:
+    """What a row's result depends on: the base settings, the row's overrides, its start row's training key, and the
+    scoring."""
+    start = [_train_key(base, rows[row["start"]], rows)] if row.get("start") else []
+    return _hash([_settings(base), row.get("set", []), row.get("start"), score] + start)
+
+
+def check_rows(spec: dict) -> dict:
+    """The rows file's rows by name; a duplicate name or a start that is not an earlier row is a one-line error."""
+    rows: dict = {}
+    for row in spec["rows"]:
+        if row["name"] in rows or row["name"] == "original":
+            raise SystemExit(f"rows file: row name {row['name']!r} is used twice (or is 'original'); give each row its own name")
+        if row.get("start") and row["start"] not in rows:
+            raise SystemExit(f"rows file: row {row['name']!r} starts from {row['start']!r}, which is not a row above it; "
+                             f"start from one of {sorted(rows) or 'none (it is the first row)'}")
+        rows[row["name"]] = row
+    return rows
 
 
 @torch.no_grad()
@@ -129,8 +164,9 @@ def main(argv=None) -> int:
     env = environment(torch.get_num_threads())
     result = {"command": "python benchmarks/recovery.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "environment": env, "spec": spec, "rows": []}
+    rows = check_rows(spec)
     base = load_recipe(spec["recipe"], spec.get("common", []))
-    key = _row_key(base, {}, spec["score"])
+    key = _row_key(base, {}, spec["score"], rows)
     write = (lambda: _write(out, result, spec, done))  # fmt: skip
     if _complete(done.get("original"), key):
         result["rows"].append(done["original"])
@@ -145,19 +181,27 @@ def main(argv=None) -> int:
         overrides = list(spec.get("common", [])) + list(row.get("set", [])) + [f"output_dir={work / row['name']}"]
         if row.get("start"):
             overrides += [f"model={work / row['start'] / 'checkpoint'}", f"teacher={base.model}", "layerwise_tokens=0"]
-        key = _row_key(base, row, spec["score"])
+        key, train_key = _row_key(base, row, spec["score"], rows), _train_key(base, row, rows)
         if only is not None and row["name"] not in only:  # not asked for: _write keeps its previous result, if any
             continue
         if only is None and _complete(done.get(row["name"]), key):
             continue
         recipe = load_recipe(spec["recipe"], overrides)
         ckpt = Path(recipe.output_dir) / "checkpoint"
-        retrained = not _trained(recipe, ckpt)
+        retrained = not _trained(recipe, ckpt, train_key)
         if retrained:
             import shutil
 
+            from sparseforge.atomic import atomic_write_text
+
+            if row.get("start"):
+                stamp = work / row["start"] / TRAINED_FOR
+                if not stamp.is_file() or stamp.read_text().strip() != _train_key(base, rows[row["start"]], rows):
+                    raise SystemExit(f"row {row['name']!r} starts from {row['start']!r}, whose checkpoint is missing or was trained for "
+                                     f"other settings: run both, --only {row['start']},{row['name']}")
             shutil.rmtree(recipe.output_dir, ignore_errors=True)
             train(recipe, progress=False)
+            atomic_write_text(Path(recipe.output_dir) / TRAINED_FOR, train_key + "\n")
         metrics = [json.loads(line) for line in (Path(recipe.output_dir) / "metrics.jsonl").read_text().splitlines()]
         layerwise = next((m for m in metrics if m.get("stage") == "layerwise"), None)
         # training compute: stage 1 plus the optimizer steps (model loading, validation and saves excluded)

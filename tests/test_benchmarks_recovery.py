@@ -4,6 +4,8 @@ measured (not asked for, or not reached yet), in the rows file's order."""
 import json
 from pathlib import Path
 
+import pytest
+
 from scripts import load_script
 
 
@@ -91,11 +93,51 @@ def test_a_rows_key_follows_the_settings_not_the_recipe_files_text(tmp_path):
     text = Path("recipes/smollm2-135m-quickstart.yaml").read_text()
     edited = tmp_path / "edited.yaml"
     edited.write_text("# a new comment\n" + text.replace("# peak AdamW learning rate", "# the peak learning rate"))
-    score, row = {"piqa": 10}, {"name": "a", "set": ["lr=1e-4"]}
-    key = rec._row_key(load_recipe("recipes/smollm2-135m-quickstart.yaml"), row, score)
-    assert rec._row_key(load_recipe(edited), row, score) == key  # comments do not count
-    assert rec._row_key(load_recipe(edited, ["output_dir=elsewhere"]), row, score) == key  # nor where the row trains
-    assert rec._row_key(load_recipe(edited, ["seed=1"]), row, score) != key  # a setting does
-    assert rec._row_key(load_recipe(edited), {"name": "a", "set": ["lr=2e-4"]}, score) != key
-    assert rec._row_key(load_recipe(edited), {**row, "start": "b"}, score) != key
-    assert rec._row_key(load_recipe(edited), row, {"piqa": 20}) != key
+    score, row, rows = {"piqa": 10}, {"name": "a", "set": ["lr=1e-4"]}, {"b": {"name": "b"}}
+    key = rec._row_key(load_recipe("recipes/smollm2-135m-quickstart.yaml"), row, score, rows)
+    assert rec._row_key(load_recipe(edited), row, score, rows) == key  # comments do not count
+    assert rec._row_key(load_recipe(edited, ["output_dir=elsewhere"]), row, score, rows) == key  # nor where the row trains
+    assert rec._row_key(load_recipe(edited, ["seed=1"]), row, score, rows) != key  # a setting does
+    assert rec._row_key(load_recipe(edited), {"name": "a", "set": ["lr=2e-4"]}, score, rows) != key
+    assert rec._row_key(load_recipe(edited), {**row, "start": "b"}, score, rows) != key
+    assert rec._row_key(load_recipe(edited), row, {"piqa": 20}, rows) != key
+
+
+def test_a_rows_key_follows_its_start_row_up_the_chain():
+    from sparseforge.train.recipe import load_recipe
+
+    rec = load_script("recovery")
+    base, score = load_recipe("recipes/smollm2-135m-quickstart.yaml"), {"piqa": 10}
+
+    def keys(a_set):
+        rows = rec.check_rows({"rows": [{"name": "a", "set": a_set}, {"name": "b", "start": "a"}, {"name": "c", "start": "b", "set": ["lr=1e-4"]}]})
+        return {n: (rec._row_key(base, r, score, rows), rec._train_key(base, r, rows)) for n, r in rows.items()}
+
+    before, after = keys(["seed=1"]), keys(["seed=2"])
+    assert all(before[n][0] != after[n][0] and before[n][1] != after[n][1] for n in "abc")  # a's change reaches c
+    assert keys(["seed=1"]) == before
+    rows = rec.check_rows({"rows": [{"name": "a"}, {"name": "b", "start": "a"}]})
+    assert rec._row_key(base, rows["a"], {"piqa": 20}, rows) != before["a"][0]
+    assert rec._train_key(base, rows["b"], rows) == rec._train_key(base, rows["b"], rows)  # the scoring is not training
+    for bad, message in [([{"name": "b", "start": "a"}, {"name": "a"}], "starts from 'a', which is not a row above it"),
+                         ([{"name": "a"}, {"name": "a"}], "row name 'a' is used twice")]:
+        with pytest.raises(SystemExit, match=message):
+            rec.check_rows({"rows": bad})
+
+
+def test_a_run_folder_counts_as_trained_only_for_the_key_it_was_trained_for(tmp_path):
+    import yaml
+
+    from sparseforge.train.recipe import load_recipe
+
+    rec = load_script("recovery")
+    recipe = load_recipe("recipes/smollm2-135m-quickstart.yaml", [f"output_dir={tmp_path}"])
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "config.json").write_text("{}")
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict()))
+    assert not rec._trained(recipe, tmp_path / "checkpoint", "k1")  # no stamp: trained for nothing known
+    (tmp_path / rec.TRAINED_FOR).write_text("k1\n")
+    assert rec._trained(recipe, tmp_path / "checkpoint", "k1")
+    assert not rec._trained(recipe, tmp_path / "checkpoint", "k2")  # e.g. its start row has changed since
+    assert not rec._trained(load_recipe("recipes/smollm2-135m-quickstart.yaml", [f"output_dir={tmp_path}", "lr=1e-4"]),
+                            tmp_path / "checkpoint", "k1")

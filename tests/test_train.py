@@ -126,13 +126,35 @@ def test_teacher_generated_source(workspace, tmp_path):
     prompts = build_mixture(real, tok, 32, 10, seed=1, root=str(workspace / "data"))
     settings = check_generated("teacher", sources["teacher"]["generated"])
     store = generate_store("teacher", settings, teacher, tok, prompts, 32, seed=0, progress=False)
-    assert store.meta["train_tokens"] >= 300 and store.meta["val_tokens"] == 0
+    assert store.meta["train_tokens"] == 300 == len(store.train) and store.meta["val_tokens"] == 0  # exactly what was asked
     first = build_mixture(real, tok, 32, 10, seed=1, root=str(workspace / "data")).next_window()[1][:4]
     assert store.train[:4].tolist() == first.tolist()  # the first sample starts with the first real window's tokens
     again = generate_store("teacher", settings, teacher, tok, build_mixture(real, tok, 32, 10, seed=1, root=str(workspace / "data")), 32, seed=0)
     assert again.path == store.path  # built once: reused by the run above and by this call
     with pytest.raises(SparseforgeError, match="generated must be a mapping with at least tokens"):
         check_generated("teacher", {"prompt_tokens": 3})
+
+
+def test_teacher_sampling_matches_forwards_without_a_cache(workspace):
+    """The sampler's window-sized cache and its dropping of ended rows change no token: at a temperature near zero it
+    is greedy decoding, checked against full forwards of the growing sequences, each row cut after its end token."""
+    from sparseforge.sources import load_model
+    from sparseforge.train.teacher_text import _sample
+
+    teacher = load_model(str(workspace / "dense"))[0].eval()
+    prompt = torch.randint(5, teacher.config.vocab_size, (6, 4), generator=torch.Generator().manual_seed(0))
+    ref = prompt.clone()
+    with torch.no_grad():
+        for _ in range(12):
+            ref = torch.cat([ref, teacher(input_ids=ref).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        end = int(ref[0, 7])  # row 0's fourth new token plays the end token: row 0 stops early, the batch shrinks
+        got = _sample(teacher, prompt, 12, 1e-6, end, torch.Generator().manual_seed(0))
+    want = [row[: row.index(end, 4) + 1] if end in row[4:] else row for row in ref.tolist()]
+    assert any(len(row) < 16 for row in want) and any(len(row) == 16 for row in want)  # some rows end, some run on
+    assert got == want
+    with torch.no_grad():  # a budget of 30 tokens: the 6 prompts (24) and one step of every row, each row cut there
+        short = _sample(teacher, prompt, 12, 1e-6, end, torch.Generator().manual_seed(0), budget=30)
+    assert max(map(len, short)) == 6 and all(s[:-1] == w[: len(s) - 1] and s[-1] in (end, w[len(s) - 1]) for s, w in zip(short, want))
 
 
 def test_mlp_only_training_leaves_the_rest_untouched(workspace, tmp_path):
