@@ -8,7 +8,7 @@ from scripts import load_script
 from tiny import tiny_recipe
 
 
-def test_teacher_text_benchmark_writes_one_row_per_batch_size(workspace, tmp_path):
+def test_teacher_text_benchmark_writes_one_row_per_batch_size(workspace, tmp_path, one_thread):  # --threads 1: restored after
     raw = tiny_recipe(workspace, tmp_path / "run")
     raw["sources"]["teacher"] = {"generated": {"tokens": 1000, "prompt_tokens": 4, "temperature": 0.7}, "weight": 1.0}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
