@@ -44,11 +44,17 @@ MAIN_METRIC = {"lambada_openai": "acc", "piqa": "acc", "arc_easy": "acc", "arc_c
 TRAINED_FOR = "trained-for.txt"  # in each row's run folder: the training key its checkpoint was trained for
 
 
+def _trained_for(folder: Path, train_key: str) -> bool:
+    """The run folder says its checkpoint was trained for this training key."""
+    stamp = folder / TRAINED_FOR
+    return stamp.is_file() and stamp.read_text().strip() == train_key
+
+
 def _trained(recipe, ckpt: Path, train_key: str) -> bool:
     """A complete checkpoint of a run with exactly these resolved settings, trained for this training key (so also
     from the current checkpoint of its start row), is already there."""
-    run_recipe, stamp = Path(recipe.output_dir) / "recipe.yaml", Path(recipe.output_dir) / TRAINED_FOR
-    if not ((ckpt / "config.json").is_file() and run_recipe.is_file() and stamp.is_file()) or stamp.read_text().strip() != train_key:
+    run_recipe = Path(recipe.output_dir) / "recipe.yaml"
+    if not ((ckpt / "config.json").is_file() and run_recipe.is_file() and _trained_for(Path(recipe.output_dir), train_key)):
         return False
     ran, wanted = yaml.safe_load(run_recipe.read_text()), yaml.safe_load(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     defaults = yaml.safe_load(yaml.safe_dump(type(recipe)(model="", output_dir="", sources={}).to_dict()))
@@ -194,11 +200,9 @@ def main(argv=None) -> int:
 
             from sparseforge.atomic import atomic_write_text
 
-            if row.get("start"):
-                stamp = work / row["start"] / TRAINED_FOR
-                if not stamp.is_file() or stamp.read_text().strip() != _train_key(base, rows[row["start"]], rows):
-                    raise SystemExit(f"row {row['name']!r} starts from {row['start']!r}, whose checkpoint is missing or was trained for "
-                                     f"other settings: run both, --only {row['start']},{row['name']}")
+            if row.get("start") and not _trained_for(work / row["start"], _train_key(base, rows[row["start"]], rows)):
+                raise SystemExit(f"row {row['name']!r} starts from {row['start']!r}, whose checkpoint is missing or was trained for "
+                                 f"other settings: run both, --only {row['start']},{row['name']}")
             shutil.rmtree(recipe.output_dir, ignore_errors=True)
             train(recipe, progress=False)
             atomic_write_text(Path(recipe.output_dir) / TRAINED_FOR, train_key + "\n")

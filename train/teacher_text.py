@@ -141,10 +141,10 @@ def _sample(model, prompt: torch.Tensor, new_tokens: int, temperature: float, eo
     finished rows stop costing compute; the draws of the rows still running come from the same generator.
     Sampling stops early once the rows hold `budget` tokens in all (the store's last batch: one pass of sampling
     covers the remainder, however many rows end early)."""
-    cache = DynamicCache(config=model.config)
-    cache.layers = [_WindowLayer(prompt.shape[1] + new_tokens) for _ in cache.layers]
-    logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     p = prompt.shape[1]
+    cache = DynamicCache(config=model.config)
+    cache.layers = [_WindowLayer(p + new_tokens) for _ in cache.layers]
+    logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     tokens = torch.cat([prompt, torch.full((prompt.shape[0], new_tokens), eos, dtype=prompt.dtype, device=prompt.device)], dim=1)
     live = torch.arange(prompt.shape[0], device=prompt.device)  # the batch's rows, as indices into `tokens`
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
