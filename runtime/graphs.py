@@ -73,6 +73,7 @@ class DeviceGraphs:
         if key != self.cache_key:  # graphs hold the cache's addresses and layout (not the cache: a cache of the same
             # layout allocated where a freed one was reuses them, as Engine.new_cache's batch-1 caches do)
             self.cache_key, self.segments = key, {}
+            self.pool = torch.cuda.graph_pool_handle() if self.cuda else None  # the old graphs' pool goes with them
         last = len(self.bounds) - 1
         for k in range(last + 1):
             run, counts = self._segment_graph(cache, span, k)

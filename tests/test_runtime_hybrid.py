@@ -1,6 +1,10 @@
 """The hybrid tier (runtime/hybrid.py) with its fast device on the CPU: hot neurons computed in full on the device side,
 cold ones by the CPU kernels in the engine's mode. Pinned against the HF model (dense, exact and predicted masks),
-the CPU engine's greedy tokens, and its plan and errors."""
+the CPU engine's greedy tokens, and its plan and errors.
+
+SPARSEFORGE_TEST_DEVICE=cuda runs the same tests with a GPU as the fast device (and its decode step as CUDA graphs)."""
+
+import os
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from sparseforge.runtime.hybrid import device_plan, resolve_device
 pytestmark = pytest.mark.usefixtures("one_thread")
 NATIVE = [True, False] if kernels.native() is not None else [False]
 BUDGETS = ("0%", "25%", "100%")
+DEVICE = os.environ.get("SPARSEFORGE_TEST_DEVICE", "cpu")  # the fast tier's device
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +44,12 @@ def _ids(n=2, t=10, seed=0):
 def _logits(engine, ids, split=4):
     """Prefill ids[:, :split], then one position at a time: logits [B, T, V]."""
     cache = engine.new_cache(ids.shape[0])
-    return torch.cat([engine.forward(ids[:, :split], cache)] + [engine.forward(ids[:, t : t + 1], cache) for t in range(split, ids.shape[1])], 1)
+    steps = [engine.forward(ids[:, :split], cache)] + [engine.forward(ids[:, t : t + 1], cache) for t in range(split, ids.shape[1])]
+    return torch.cat([s.cpu() for s in steps], 1)
 
 
 def _hybrid(ckpt, mode, budget, native=None):
-    return Engine.load(ckpt, mode=mode, context=32, progress=False, native=native, device="cpu", device_memory=budget)
+    return Engine.load(ckpt, mode=mode, context=32, progress=False, native=native, device=DEVICE, device_memory=budget)
 
 
 @pytest.mark.parametrize("mode", ["dense", "oracle", "screen"])
@@ -100,7 +106,7 @@ def test_greedy_tokens_equal_the_cpu_engines(llama, mode):
     config = GenerationConfig(max_new_tokens=10, stop_ids=())
     want = list(Engine.load(ckpt, mode=mode, context=32, progress=False).generate(prompt, config))
     for budget in BUDGETS if mode == "oracle" else ("0%",):
-        with open_engine(ckpt, mode=mode, context=32, progress=False, device="cpu", device_memory=budget) as engine:
+        with open_engine(ckpt, mode=mode, context=32, progress=False, device=DEVICE, device_memory=budget) as engine:
             assert list(engine.generate(prompt, config)) == want
 
 
@@ -113,8 +119,8 @@ def test_scorecard_times_the_device_tier(llama):
     except SparseforgeError:
         pytest.skip("no pretraining text under the data root (set SPARSEFORGE_DATA)")
     _, ckpt = llama
-    speed = measure_speed(ckpt, SpeedSettings(("dense", "sparse"), 8, 3, 1, 1, 32, "cpu", "25%"), progress=False, log=lambda *a: None)
-    assert speed["settings"]["device"] == "cpu" and speed["settings"]["device_memory"] == "25%"
+    speed = measure_speed(ckpt, SpeedSettings(("dense", "sparse"), 8, 3, 1, 1, 32, DEVICE, "25%"), progress=False, log=lambda *a: None)
+    assert speed["settings"]["device"] == DEVICE and speed["settings"]["device_memory"] == "25%"
     for mode in speed["modes"].values():
         assert mode["device"]["hot_fraction"] == 0.25 and mode["decode_tokens_per_second"] > 0
 
@@ -126,16 +132,16 @@ def test_the_disk_tier_holds_the_neurons_the_device_does_not(llama, mode):
     _, ckpt = llama
     prompt = _ids(1, 5, seed=3)[0].tolist()
     config = GenerationConfig(max_new_tokens=10, stop_ids=())
-    with open_engine(ckpt, mode=mode, context=32, progress=False, device="cpu", device_memory="25%") as engine:
+    with open_engine(ckpt, mode=mode, context=32, progress=False, device=DEVICE, device_memory="25%") as engine:
         want = list(engine.generate(prompt, config))
-    with open_engine(ckpt, mode=mode, context=32, progress=False, device="cpu", device_memory="25%", fast_memory="30%") as engine:
+    with open_engine(ckpt, mode=mode, context=32, progress=False, device=DEVICE, device_memory="25%", fast_memory="30%") as engine:
         assert list(engine.generate(prompt, config)) == want
         stats = engine.stats()
         assert stats["units"]["misses"] > 0 and stats["units"]["resident_bytes"] <= stats["units"]["mlp_budget_bytes"]
         for lw in engine.model.weights.layers:
             unit = lw.units[0]
             assert (unit.inner.slot_of[unit.hot.numpy()] == -1).all()  # never pinned, never read
-    with open_engine(ckpt, mode="oracle", context=32, progress=False, device="cpu", device_memory="25%", fast_memory="90%") as engine:
+    with open_engine(ckpt, mode="oracle", context=32, progress=False, device=DEVICE, device_memory="25%", fast_memory="90%") as engine:
         for lw in engine.model.weights.layers:  # room for every CPU neuron: the pinned ones are still never the device's
             unit = lw.units[0]
             pinned = unit.inner.slot_of[: unit.intermediate] < engine.model.units.store.pool_start
@@ -161,13 +167,13 @@ def test_errors_name_the_bad_value_and_the_fix(llama, tmp_path):
     with pytest.raises(SparseforgeError, match="--device-memory 1KB .* below the always-touched minimum"):
         device_plan(ckpt, "1KB", "float32", 32)
     with pytest.raises(SparseforgeError, match="head_screen=True"):
-        Engine.load(ckpt, mode="oracle", context=32, progress=False, device="cpu", head_screen=True)
+        Engine.load(ckpt, mode="oracle", context=32, progress=False, device=DEVICE, head_screen=True)
 
 
 def test_moe_is_refused(tmp_path_factory):
     ckpt, _, _ = profiled_checkpoint(tmp_path_factory.mktemp("hybrid-moe"), "mixtral")
     with pytest.raises(SparseforgeError, match="experts per layer; the hybrid device tier supports dense MLPs only"):
-        Engine.load(ckpt, mode="oracle", context=32, progress=False, device="cpu", device_memory="50%")
+        Engine.load(ckpt, mode="oracle", context=32, progress=False, device=DEVICE, device_memory="50%")
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +196,7 @@ def windowed(tmp_path_factory):
 def _generate(ckpt, mode, budget, graphs, monkeypatch, prompt, n=14):
     """(tokens, decode stats) of a hybrid engine with its decode step eager or as device graphs."""
     monkeypatch.setenv("SPARSEFORGE_DEVICE_GRAPHS", graphs)
-    with open_engine(ckpt, mode=mode, context=32, progress=False, device="cpu", device_memory=budget) as engine:
+    with open_engine(ckpt, mode=mode, context=32, progress=False, device=DEVICE, device_memory=budget) as engine:
         assert (engine.step.graphs is not None) == (graphs == "always")
         tokens = list(engine.generate(prompt, GenerationConfig(max_new_tokens=n, stop_ids=())))
         s = engine.stats()
