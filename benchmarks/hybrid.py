@@ -13,6 +13,8 @@ The project's device engines decode through CUDA graphs (runtime/graphs.py) unle
 --eager-budgets adds engines with the eager step at those budgets, so the graphs' effect is measured in the same run.
 Each of the project's engines is checked for the CPU engine's greedy tokens in every repetition (equal by design with
 exact masks, --mode oracle, on a dReLU checkpoint; random SwiGLU shapes compute every neuron there).
+Where a device engine's decode step goes: its CPU parts' and its waits for the device's milliseconds per decoded token
+(engine.stats()["device"]); the rest is launching the device's work and the Python around it.
 
 The random shapes keep scale.py's checkpoints (SwiGLU kept, float16, a predictor selecting a fixed (1 - sparsity)
 fraction of each layer's neurons) and get a profile whose firing counts are random: the device's hot set is chosen
@@ -82,7 +84,10 @@ class Ours:
 
         prefill, tps, _ = time_stream(stream())
         s = self.engine.stats()
-        return {"prefill_s": prefill, "decode_tps": tps, "computed": s["decode_neurons_computed_fraction"], "tokens": tokens}
+        per_token = {}
+        if "device" in s and s["decode_tokens"]:  # where a hybrid decode step's time goes (runtime/graphs.py)
+            per_token = {k: 1000 * s["device"][f"{k}_seconds"] / s["decode_tokens"] for k in ("cpu_part", "device_wait")}
+        return {"prefill_s": prefill, "decode_tps": tps, "computed": s["decode_neurons_computed_fraction"], "tokens": tokens, **per_token}
 
     def close(self):
         del self.engine
@@ -119,7 +124,8 @@ def summarize(contestants: list, runs: dict, label: str, args) -> list[dict]:
         r = runs[id(c)]
         rows.append({"model": label, "engine": c.name, "budget": c.budget, "device_bytes": c.device_bytes, "hot_fraction": c.hot_fraction,
                      "decode_tps": median([x["decode_tps"] for x in r]), "prefill_tps": args.prompt_tokens / median([x["prefill_s"] for x in r]),
-                     "neurons_computed": median([x["computed"] for x in r]), "decode_all": [x["decode_tps"] for x in r]})  # fmt: skip
+                     "neurons_computed": median([x["computed"] for x in r]), "decode_all": [x["decode_tps"] for x in r],
+                     **{f"{k}_ms": median([x[k] for x in r]) if k in r[0] else None for k in ("cpu_part", "device_wait")}})  # fmt: skip
     for c, row in zip(contestants, rows):  # greedy tokens: equal to the CPU engine's with exact masks (--mode oracle)
         theirs = [x.get("tokens") for x in runs[id(c)]]
         row["tokens_as_cpu_engine"] = None if None in theirs else theirs == [x["tokens"] for x in runs[id(contestants[0])]]
@@ -201,7 +207,8 @@ def main() -> None:
     args.dtype = args.dtype or ("float16" if args.shapes else "float32")
     cols = [("model", "model", ""), ("engine", "engine", ""), ("device_bytes", "device bytes", ","), ("hot_fraction", "MLP neurons on device", ".2f"),
             ("decode_tps", "decode tok/s", ".2f"), ("vs_cpu_engine", "÷ CPU engine", ".2f"), ("vs_hf_offload", "÷ HF offload", ".1f"),
-            ("vs_hf_on_device", "÷ HF on device", ".2f"), ("neurons_computed", "neurons computed", ".3f"), ("tokens_as_cpu_engine", "CPU engine's tokens", ""),
+            ("vs_hf_on_device", "÷ HF on device", ".2f"), ("neurons_computed", "neurons computed", ".3f"), ("cpu_part_ms", "CPU part ms/token", ".2f"),
+            ("device_wait_ms", "device wait ms/token", ".2f"), ("tokens_as_cpu_engine", "CPU engine's tokens", ""),
             ("prefill_tps", "prefill tok/s", ".1f")]  # fmt: skip
     name = args.out or f"hybrid-{args.device.replace(':', '')}-{'-'.join(args.shapes) or 'ckpt'}-t{args.threads}"
     finished: list[dict] = []

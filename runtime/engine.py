@@ -111,12 +111,13 @@ class Engine:
     def stats(self) -> dict:
         """Counters since load (or reset_stats): tokens and seconds of prefill and decode, the mean fraction of neurons
         computed per token and of those that fired, predictor seconds, weight + KV bytes touched per decode token (from
-        what the kernels read), resident weight bytes, and the units' own stats."""
+        what the kernels read), resident weight bytes, the units' own stats, and a hybrid engine's device tier."""
         m = self.model
         out = {"mode": m.mode, "weight_dtype": m.weight_dtype, "predictor_dtype": m.predictor_dtype, "threads": m.threads, "native_kernels": m.native,
                **self.meter.counters(), "resident_weight_bytes": m.resident_bytes(), "head_screen": m.head_screen is not None}  # fmt: skip
         if m.device_tier is not None:
-            out["device"] = m.device_tier.stats([lw.units[0] for lw in m.weights.layers])
+            out["device"] = {**m.device_tier.stats([lw.units[0] for lw in m.weights.layers]),
+                             "cpu_part_seconds": self.meter.cpu_part_seconds, "device_wait_seconds": self.meter.device_wait_seconds}  # fmt: skip
         if hasattr(m.units, "stats") and not isinstance(m.units, type):  # a factory reporting for all its units (the neuron store)
             if units := m.units.stats():  # a hybrid engine's factory reports only when a neuron store is under it
                 out["units"] = units

@@ -15,6 +15,7 @@ devices, where a segment runs as a plain call of the same static-shape code (wha
 """
 
 import os
+import time
 
 import torch
 
@@ -79,15 +80,21 @@ class DeviceGraphs:
             run, counts = self._segment_graph(cache, span, k)
             out = run()
             self.meter.add(counts)
+            start = time.perf_counter()
             if k == last:
-                return out[0].cpu()
+                logits = out[0].cpu()
+                self.meter.device_wait_seconds += time.perf_counter() - start
+                return logits
             self.stage_host.copy_(self.stage, non_blocking=True)
             if self.cuda:
                 torch.cuda.current_stream().synchronize()
+            mid = time.perf_counter()
             layer = self.bounds[k][1]
             self.cold_host.zero_()
             self.hybrid.cpu_mlp(layer, self.model.weights.layers[layer], self.stage_host[:1], self.stage_host[1:], out=self.cold_host)
             self.cold.view(1, -1).copy_(self.cold_host, non_blocking=True)
+            self.meter.device_wait_seconds += mid - start
+            self.meter.cpu_part_seconds += time.perf_counter() - mid
 
     def _segment_graph(self, cache, span: int, k: int):
         """Segment k's (replay, meter counts) at `span` for `cache`, captured when first asked for (with its inputs

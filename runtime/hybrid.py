@@ -20,6 +20,7 @@ they are neither pinned in CPU memory nor read from disk. With `device="cpu"` th
 the CPU (PyTorch ops for the device's part): what the tests pin against the dense forward. MoE checkpoints are refused.
 """
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -223,6 +224,7 @@ class HybridMLP:
     def __call__(self, layer: int, lw, xn: torch.Tensor, resid: torch.Tensor) -> None:
         unit = lw.units[0]
         cold = unit.local_ids.numel() > 0
+        start = time.perf_counter()
         if cold and self.device.type == "cpu":  # the CPU's part reads xn and resid before anything is added to resid
             xc, rc = xn, resid
         elif cold:  # the CPU's inputs first: the device's part then runs while the CPU computes
@@ -230,9 +232,13 @@ class HybridMLP:
             xc, rc = both[: xn.shape[0]], both[xn.shape[0] :]
         y = self._hot(layer, unit, xn) if unit.hot.numel() else None
         if cold:
+            mid = time.perf_counter()
             yc = torch.zeros_like(xc)
             self.cpu_mlp(layer, lw, xc, rc, out=yc)
             resid += yc.to(self.device, non_blocking=True)
+            if xn.shape[0] == 1:  # a one-token step (graphs.py times its own the same way)
+                self.meter.device_wait_seconds += mid - start
+                self.meter.cpu_part_seconds += time.perf_counter() - mid
         if y is not None:
             resid += y
 

@@ -52,6 +52,7 @@ class Meter:
         self.screened_tokens = self.screen_candidates = 0
         self.decode_computed = self.decode_slots = self.decode_fired = 0  # the neuron counts of decode steps alone
         self._mark = (0, 0, 0)  # the neuron totals when the last step closed
+        self.cpu_part_seconds = self.device_wait_seconds = 0.0  # a hybrid engine's one-token steps: its CPU parts, its waits for the device
 
     def scalars(self) -> dict:
         """The counters held as Python numbers (what a replayed CUDA graph cannot add itself: runtime/graphs.py)."""

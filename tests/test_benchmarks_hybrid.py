@@ -1,6 +1,6 @@
 """benchmarks/hybrid.py's own engines on a tiny profiled checkpoint with the CPU as the device: the eager contestant is
 the engine SPARSEFORGE_DEVICE_GRAPHS=0 loads, whatever the environment says, and every contestant decodes the CPU
-engine's greedy tokens (exact masks)."""
+engine's greedy tokens (exact masks) and reports where its decode steps' time goes."""
 
 import os
 
@@ -24,6 +24,10 @@ def test_the_sweeps_engines_decode_the_cpu_engines_tokens(tmp_path, monkeypatch)
     prompt = [5, 17, 42, 99, 3]
     tokens = cpu.run(prompt, 6)["tokens"]
     assert len(tokens) == 6
-    assert graphed.run(prompt, 6)["tokens"] == tokens == eager.run(prompt, 6)["tokens"]
+    assert "cpu_part" not in cpu.run(prompt, 6)  # no device tier: no split of its step
+    runs = [graphed.run(prompt, 6), eager.run(prompt, 6)]
+    assert runs[0]["tokens"] == tokens == runs[1]["tokens"]
+    for r in runs:  # 5 decode steps, each with a CPU part in every layer (25 %: every layer has cold neurons)
+        assert r["cpu_part"] > 0 and r["device_wait"] >= 0
     for engine in (cpu, graphed, eager):
         engine.close()

@@ -200,6 +200,7 @@ def _generate(ckpt, mode, budget, graphs, monkeypatch, prompt, n=14):
         assert (engine.step.graphs is not None) == (graphs == "always")
         tokens = list(engine.generate(prompt, GenerationConfig(max_new_tokens=n, stop_ids=())))
         s = engine.stats()
+        assert (s["device"]["cpu_part_seconds"] > 0) == (budget != "100%")  # decode steps' CPU parts, timed (no cold neurons: none)
         assert list(engine.generate(prompt, GenerationConfig(max_new_tokens=n, stop_ids=()))) == tokens  # graphs kept or recaptured
         assert engine.new_cache(1, 24).context == (32 if graphs == "always" else 24)  # a graphed engine's share one layout
         shape = engine.model.shape  # a cache of another layout (built directly): the graphs are captured again for it
