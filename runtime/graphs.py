@@ -93,8 +93,7 @@ class DeviceGraphs:
             self.cold_host.zero_()
             self.hybrid.cpu_mlp(layer, self.model.weights.layers[layer], self.stage_host[:1], self.stage_host[1:], out=self.cold_host)
             self.cold.view(1, -1).copy_(self.cold_host, non_blocking=True)
-            self.meter.device_wait_seconds += mid - start
-            self.meter.cpu_part_seconds += time.perf_counter() - mid
+            self.meter.hybrid_split(start, mid)
 
     def _segment_graph(self, cache, span: int, k: int):
         """Segment k's (replay, meter counts) at `span` for `cache`, captured when first asked for (with its inputs

@@ -224,7 +224,8 @@ class HybridMLP:
     def __call__(self, layer: int, lw, xn: torch.Tensor, resid: torch.Tensor) -> None:
         unit = lw.units[0]
         cold = unit.local_ids.numel() > 0
-        start = time.perf_counter()
+        timed = cold and xn.shape[0] == 1  # a one-token step's split (graphs.py times its own the same way)
+        start = time.perf_counter() if timed else 0.0
         if cold and self.device.type == "cpu":  # the CPU's part reads xn and resid before anything is added to resid
             xc, rc = xn, resid
         elif cold:  # the CPU's inputs first: the device's part then runs while the CPU computes
@@ -236,9 +237,8 @@ class HybridMLP:
             yc = torch.zeros_like(xc)
             self.cpu_mlp(layer, lw, xc, rc, out=yc)
             resid += yc.to(self.device, non_blocking=True)
-            if xn.shape[0] == 1:  # a one-token step (graphs.py times its own the same way)
-                self.meter.device_wait_seconds += mid - start
-                self.meter.cpu_part_seconds += time.perf_counter() - mid
+            if timed:
+                self.meter.hybrid_split(start, mid)
         if y is not None:
             resid += y
 

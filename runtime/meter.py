@@ -11,6 +11,8 @@ Prefill steps count tokens and seconds only. Neurons are counted over every row,
 (`decode_neurons_*`: a screen computes a prefill's neurons in full, so the two differ).
 """
 
+import time
+
 import torch
 
 
@@ -82,6 +84,12 @@ class Meter:
     def screen(self, nbytes: int) -> None:
         """An exact MLP screen's reads (runtime/screen.py): its int8 rows and their per-row numbers."""
         self.step_bytes += nbytes
+
+    def hybrid_split(self, start: float, mid: float) -> None:
+        """A hybrid engine's one-token step through a layer with cold neurons: `start` to `mid` (perf_counter) went to
+        waiting for the device, `mid` to now to the CPU's part."""
+        self.device_wait_seconds += mid - start
+        self.cpu_part_seconds += time.perf_counter() - mid
 
     def predictor(self, seconds: float) -> None:
         self.predictor_seconds += seconds
