@@ -81,14 +81,14 @@ class Engine:
     def new_cache(self, batch: int = 1, context: int | None = None) -> KVCache:
         """A KV cache for `batch` rows of up to `context` positions (default and at most: the engine's).
         Size it to the request when it is known: the cache is allocated and zeroed up front. A batch-1 cache of an
-        engine that decodes through device graphs (runtime/graphs.py) always has the engine's context: the graphs hold
-        a cache's layout, so every request's cache sharing it lets one request's graphs serve the next."""
+        engine that decodes through device graphs (runtime/graphs.py) always has the engine's context and, once the
+        previous one is gone, its storage: the graphs hold a cache's addresses, so one request's graphs serve the next."""
         context = self.context if context is None else context
         if not 1 <= context <= self.context:
             raise SparseforgeError(f"a cache of {context} positions is outside 1..{self.context}, the engine's context; load the engine with a larger context")
-        if batch == 1 and self.step.graphs is not None:
-            context = self.context
         s = self.model.shape
+        if batch == 1 and self.step.graphs is not None:
+            return self.step.graphs.new_cache(lambda: KVCache(self.config.num_hidden_layers, 1, s.kv_heads, self.context, s.head_dim, self.model.device))
         return KVCache(self.config.num_hidden_layers, batch, s.kv_heads, context, s.head_dim, self.model.device)
 
     def forward(self, ids: torch.Tensor, cache: KVCache, logits_from: int = 0) -> torch.Tensor:

@@ -75,6 +75,13 @@ class KVCache:
         self.v = torch.zeros_like(self.k)
         self.length = 0
 
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
+        """An empty cache over existing storage k, v [L, B, kv_heads, context, head_dim] (zeroed here)."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v, cache.length = k.zero_(), v.zero_(), 0
+        return cache
+
     @property
     def batch(self) -> int:
         return self.k.shape[1]
@@ -139,7 +146,8 @@ def attention_at(x: torch.Tensor, lw, shape: AttentionShape, layer: int, cache: 
                  pos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
     """attention() of one row x [1, 1, H] at the position held in the tensor pos [1] (on x's device), over the cache's
     first len(kpos) positions (kpos: their arange), masked beyond pos: shapes that do not change with the position,
-    so a captured CUDA graph replays it at any position below len(kpos) (runtime/graphs.py)."""
+    so a captured CUDA graph replays it at any position below len(kpos) (runtime/graphs.py). Each KV head's query
+    heads attend as one batch of rows (two bmm, no repeated keys or values): few kernels per layer."""
     q, k, v = _project(x, lw, shape, cos.index_select(0, pos), sin.index_select(0, pos))
     cache.k[layer].index_copy_(2, pos, k)
     cache.v[layer].index_copy_(2, pos, v)
@@ -147,7 +155,10 @@ def attention_at(x: torch.Tensor, lw, shape: AttentionShape, layer: int, cache: 
     mask = kpos <= pos
     if shape.windows[layer] is not None:
         mask &= pos - kpos < shape.windows[layer]
-    return _attend(q, cache.k[layer, :, :, :span], cache.v[layer, :, :, :span], mask[None, :], lw, shape)
+    nh, kvh, hd = shape.heads, shape.kv_heads, shape.head_dim
+    scores = (q.view(kvh, nh // kvh, hd) * hd**-0.5) @ cache.k[layer, 0, :, :span].transpose(1, 2)  # [kvh, group, span]
+    probs = torch.where(mask, scores, float("-inf")).softmax(-1)
+    return lw.o((probs @ cache.v[layer, 0, :, :span]).view(1, nh * hd)).view(1, 1, -1)
 
 
 def route(router: torch.Tensor, x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,8 @@ in the eager step) from a copy of its [normed input, residual], and the next seg
 fully resident model is one segment: one graph launch per token. Each segment is captured once per (KV cache,
 attention span) and replayed: positions live in a device tensor and attention covers the first `span` cache positions
 masked beyond the current one (forward.py attention_at), spans being multiples of SPAN_STEP, so the same graphs serve
-every position up to their span. The Python-side meter counts a segment makes in its first run are added at each replay.
+every position up to their span; a graphed engine's batch-1 caches reuse one storage (`new_cache`), so the graphs of
+one request serve the next. The Python-side meter counts a segment makes in its first run are added at each replay.
 
 SPARSEFORGE_DEVICE_GRAPHS: 1 (default) graphs on a CUDA device, 0 the eager step everywhere, always also on other
 devices, where a segment runs as a plain call of the same static-shape code (what the tests pin against the eager step).
@@ -16,11 +17,13 @@ devices, where a segment runs as a plain call of the same static-shape code (wha
 
 import os
 import time
+import weakref
+from types import SimpleNamespace
 
 import torch
 
 from sparseforge.errors import SparseforgeError
-from sparseforge.runtime.forward import attention_at, rms_norm
+from sparseforge.runtime.forward import KVCache, attention_at, rms_norm
 
 SPAN_STEP = 256  # attention spans are multiples of this (or the whole context)
 
@@ -55,9 +58,22 @@ class DeviceGraphs:
         self.stage = torch.zeros(2, hidden, device=dev)  # that layer's [normed MLP input, residual] for the CPU
         self.stage_host = torch.zeros(2, hidden, pin_memory=self.cuda)
         self.cold_host = torch.zeros(1, hidden, pin_memory=self.cuda)
+        self.host_views = self.stage_host[:1], self.stage_host[1:], self.cold.view(1, -1)  # made once: no op between layers
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self.cache_key, self.segments = None, {}  # (span, segment) -> (replay, meter counts) for the cache of cache_key
+        self.storage, self.handed = None, None  # the last batch-1 cache's (k, v), and a weak reference to that cache
         self.kpos = {}  # span -> arange(span) on the device
+
+    def new_cache(self, make) -> KVCache:
+        """A batch-1 cache over the storage of the last one handed out when that one is gone (so the graphs captured
+        for it serve this one), else a new one from make()."""
+        if self.storage is not None and self.handed() is None:
+            cache = KVCache.over(*self.storage)
+        else:
+            cache = make()
+            self.storage = cache.k, cache.v
+        self.handed = weakref.ref(cache)
+        return cache
 
     def logits(self, token: int, cache) -> torch.Tensor:
         if self.cuda:  # streams and graphs belong to the current device: make it this one
@@ -90,9 +106,10 @@ class DeviceGraphs:
                 torch.cuda.current_stream().synchronize()
             mid = time.perf_counter()
             layer = self.bounds[k][1]
+            xn, resid, cold = self.host_views
             self.cold_host.zero_()
-            self.hybrid.cpu_mlp(layer, self.model.weights.layers[layer], self.stage_host[:1], self.stage_host[1:], out=self.cold_host)
-            self.cold.view(1, -1).copy_(self.cold_host, non_blocking=True)
+            self.hybrid.cpu_mlp(layer, self.model.weights.layers[layer], xn, resid, out=self.cold_host)
+            cold.copy_(self.cold_host, non_blocking=True)
             self.meter.hybrid_split(start, mid)
 
     def _segment_graph(self, cache, span: int, k: int):
@@ -101,7 +118,8 @@ class DeviceGraphs:
         if (span, k) not in self.segments:
             if span not in self.kpos:  # kept: a graph reads it at every replay
                 self.kpos[span] = torch.arange(span, device=self.model.device)
-            self.segments[span, k] = self._capture(lambda: self._segment(k, cache, self.kpos[span]))
+            kv = SimpleNamespace(k=cache.k, v=cache.v)  # the storage, not the cache: new_cache sees when a cache is gone
+            self.segments[span, k] = self._capture(lambda: self._segment(k, kv, self.kpos[span]))
         return self.segments[span, k]
 
     def _segment(self, k: int, cache, kpos: torch.Tensor) -> torch.Tensor | None:

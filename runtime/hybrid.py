@@ -89,11 +89,11 @@ class ColdBundles:
         self.bundles, self.scales, self.channels = bundles, scales, channels
         self.intermediate, self.hidden = intermediate, bundles.shape[-1]
         self.capacity = max(int(cold_ids.numel()), 1)
-        self.slot_of = torch.full((intermediate,), -1, dtype=torch.long)
-        self.slot_of[cold_ids] = torch.arange(cold_ids.numel())
+        self.fixed_slots = torch.full((intermediate,), -1, dtype=torch.long)  # [I] a neuron's slot, -1: the device's
+        self.fixed_slots[cold_ids] = torch.arange(cold_ids.numel())
 
     def request(self, neurons: torch.Tensor) -> Request:
-        return Request(ready_neurons=neurons, ready_slots=self.slot_of[neurons])
+        return Request(ready_neurons=neurons, ready_slots=self.fixed_slots[neurons])
 
     def order(self, neurons: torch.Tensor) -> torch.Tensor:
         return neurons
@@ -129,6 +129,10 @@ class SplitUnit:
     @property
     def capacity(self) -> int:
         return self.inner.capacity
+
+    @property
+    def fixed_slots(self) -> torch.Tensor | None:
+        return self.inner.fixed_slots
 
     def request(self, neurons: torch.Tensor) -> Request:
         return self.inner.request(neurons)

@@ -10,6 +10,7 @@ compute every neuron as the oracle mode does: their union keeps most). One row w
 accumulated into the residual). MoE layers touch only the routed experts.
 """
 
+import ctypes
 import time
 
 import torch
@@ -29,6 +30,7 @@ class SparseMLP:
         self.model, self.meter = model, meter
         self._native_predictor = {}  # per (layer, expert): (ids out [I], float scratch [rank + I])
         self._arange = {}
+        self._seconds = (ctypes.c_double * 2)()  # the fused native call's predictor and MLP seconds
 
     def __call__(self, layer: int, lw, xn: torch.Tensor, resid: torch.Tensor, out: torch.Tensor | None = None) -> None:
         """xn: [N, H] normed MLP input; resid: [N, H] the residual, the predictor's input, to which the output is added
@@ -73,6 +75,10 @@ class SparseMLP:
         compute the ready part, wait for the rest, compute it, release."""
         I = unit.intermediate
         mode, neurons = self.model.mode, None
+        fixed = unit.fixed_slots
+        if mode == "sparse" and fixed is not None and self.model.predictors[(layer, expert)] is not None:
+            self._predict_mlp_row(layer, expert, unit, fixed, xn, resid, scale, y)
+            return
         if mode == "sparse":
             neurons = self._predict_row(layer, expert, resid, I)
         elif mode == "screen":
@@ -87,6 +93,21 @@ class SparseMLP:
                 kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, slots, xn, act, y, scale, counts, threads)
             req.release()
         self.meter.native_mlp(neurons.numel(), _width(unit), row_bytes(unit))
+
+    def _predict_mlp_row(self, layer: int, expert: int, unit, fixed: torch.Tensor, xn: torch.Tensor, resid: torch.Tensor, scale: float,
+                         y: torch.Tensor) -> None:
+        """_native_row's sparse mode for a unit whose neurons have fixed slots (a hybrid engine's CPU part): predictor
+        and kernel in one native call, no PyTorch op between them."""
+        p = self.model.predictors[(layer, expert)]
+        if (layer, expert) not in self._native_predictor:
+            self._native_predictor[(layer, expert)] = (torch.empty(unit.intermediate, dtype=torch.long), torch.empty(p.fc1[0].shape[0] + unit.intermediate))
+        ids, scratch = self._native_predictor[(layer, expert)]
+        seconds = self._seconds
+        before = seconds[0]
+        n = kernels.predict_mlp_native(p.fc1, p.fc2t, p.threshold, resid, fixed, ids, scratch, unit.bundles, unit.scales, unit.channels, xn,
+                                       self.model.activations[layer], y, scale, self.meter.rows_read, seconds, self.model.threads)  # fmt: skip
+        self.meter.predictor(seconds[0] - before)
+        self.meter.native_mlp(n, _width(unit), row_bytes(unit))
 
     def _predict_row(self, layer: int, expert: int, resid: torch.Tensor, intermediate: int) -> torch.Tensor | None:
         """Predicted-active neuron ids of one row (None: the unit has no predictor, all active)."""

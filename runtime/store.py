@@ -64,6 +64,7 @@ class TieredUnit:
     a fraction of torch's)."""
 
     local = None  # every neuron is computed through the unit (runtime/units.py)
+    fixed_slots = None  # slots change as neurons come and go
 
     def __init__(self, store: "NeuronStore", layer: int, expert: int, index: int, offset: int, hot: torch.Tensor):
         f = store.file

@@ -63,6 +63,7 @@ class MLPUnit(Protocol):
     scales: torch.Tensor | None  # [S, 3] float32 per-row scales when bundles are int8, else None
     channels: torch.Tensor | None  # [H] float32 per-output-channel scales of the int8 down columns, else None
     local: torch.Tensor | None  # bool [I]: the neurons computed through this unit (a hybrid split: the CPU's); None: all
+    fixed_slots: torch.Tensor | None  # int64 [I]: each neuron's slot in bundles, always resident (-1: not local); None: ask request
 
     def request(self, neurons: torch.Tensor) -> Request: ...
 
@@ -119,6 +120,7 @@ class ResidentUnit:
     """All of a unit's neurons in memory; slot j holds neuron j."""
 
     local = None
+    fixed_slots = None
 
     def __init__(self, layer: int, expert: int, bundles: torch.Tensor, scales: torch.Tensor | None = None, channels: torch.Tensor | None = None):
         self.layer, self.expert = layer, expert

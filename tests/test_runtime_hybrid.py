@@ -69,9 +69,12 @@ def test_exact_modes_match_hf_at_every_budget(llama, mode, budget):
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
-def test_sparse_computes_hot_neurons_in_full_and_predicted_cold_ones(llama, budget):
-    """The reference: the HF model with each MLP masked to (predicted active) or (hot on the device)."""
+def test_sparse_computes_hot_neurons_in_full_and_predicted_cold_ones(llama, budget, monkeypatch):
+    """The reference: the HF model with each MLP masked to (predicted active) or (hot on the device). One-token steps
+    with native kernels run predictor and cold kernel as one native call (kernels.predict_mlp_native)."""
     model, ckpt = llama
+    fused, real = [], kernels.predict_mlp_native
+    monkeypatch.setattr(kernels, "predict_mlp_native", lambda *a: fused.append(1) or real(*a))
     predictors = load_predictors(ckpt)
     plan = device_plan(ckpt, budget, "float32", 32)
     hot = {}
@@ -94,6 +97,7 @@ def test_sparse_computes_hot_neurons_in_full_and_predicted_cold_ones(llama, budg
         stats = engine.stats()
         assert stats["device"]["hot_fraction"] <= stats["neurons_computed_fraction"] <= 1.0
         assert stats["neurons_fired_fraction"] <= stats["neurons_computed_fraction"]
+    assert bool(fused) == (budget != "100%" and True in NATIVE)
     if budget == "0%":  # nothing on the device: the CPU engine's sparse result
         torch.testing.assert_close(_logits(Engine.load(ckpt, mode="sparse", context=32, progress=False), ids), ref, atol=2e-5, rtol=1e-4)
 
@@ -229,3 +233,22 @@ def test_device_graphs_setting_is_checked(llama, monkeypatch):
     monkeypatch.setenv("SPARSEFORGE_DEVICE_GRAPHS", "yes")
     with pytest.raises(SparseforgeError, match="SPARSEFORGE_DEVICE_GRAPHS='yes'; use 1"):
         _hybrid(llama[1], "oracle", "25%")
+
+
+def test_device_graphs_serve_the_next_request(llama, monkeypatch):
+    """A graphed engine's next batch-1 cache reuses the last one's storage (zeroed) once that one is gone, so the graphs
+    captured for one request serve the next; a cache still alive never shares its storage."""
+    monkeypatch.setenv("SPARSEFORGE_DEVICE_GRAPHS", "always")
+    prompt, config = _ids(1, 5, seed=4)[0].tolist(), GenerationConfig(max_new_tokens=6, stop_ids=())
+    with open_engine(llama[1], mode="sparse", context=32, progress=False, device=DEVICE, device_memory="25%") as engine:
+        first = list(engine.generate(prompt, config))
+        segments = engine.step.graphs.segments
+        assert segments and list(engine.generate(prompt, config)) == first
+        assert engine.step.graphs.segments is segments  # nothing captured again
+        a, b = engine.new_cache(), engine.new_cache()
+        assert a.k.data_ptr() != b.k.data_ptr()
+        ptr, b.length = b.k.data_ptr(), 3
+        b.v.fill_(1.0)
+        del b
+        c = engine.new_cache()
+        assert c.k.data_ptr() == ptr and c.length == 0 and not c.v.any()
