@@ -30,7 +30,7 @@ class SparseMLP:
         self.model, self.meter = model, meter
         self._native_predictor = {}  # per (layer, expert): (ids out [I], float scratch [rank + I])
         self._arange = {}
-        self._seconds = (ctypes.c_double * 2)()  # the fused native call's predictor and MLP seconds
+        self._seconds = ctypes.c_double(0.0)  # the fused native call's predictor seconds, accumulated
 
     def __call__(self, layer: int, lw, xn: torch.Tensor, resid: torch.Tensor, out: torch.Tensor | None = None) -> None:
         """xn: [N, H] normed MLP input; resid: [N, H] the residual, the predictor's input, to which the output is added
@@ -102,11 +102,10 @@ class SparseMLP:
         if (layer, expert) not in self._native_predictor:
             self._native_predictor[(layer, expert)] = (torch.empty(unit.intermediate, dtype=torch.long), torch.empty(p.fc1[0].shape[0] + unit.intermediate))
         ids, scratch = self._native_predictor[(layer, expert)]
-        seconds = self._seconds
-        before = seconds[0]
+        before = self._seconds.value
         n = kernels.predict_mlp_native(p.fc1, p.fc2t, p.threshold, resid, fixed, ids, scratch, unit.bundles, unit.scales, unit.channels, xn,
-                                       self.model.activations[layer], y, scale, self.meter.rows_read, seconds, self.model.threads)  # fmt: skip
-        self.meter.predictor(seconds[0] - before)
+                                       self.model.activations[layer], y, scale, self.meter.rows_read, self._seconds, self.model.threads)  # fmt: skip
+        self.meter.predictor(self._seconds.value - before)
         self.meter.native_mlp(n, _width(unit), row_bytes(unit))
 
     def _predict_row(self, layer: int, expert: int, resid: torch.Tensor, intermediate: int) -> torch.Tensor | None:

@@ -796,19 +796,18 @@ static double seconds_now(void);
 
 /* sf_predict's ids mapped through slot_of ([inter]: the slot of each neuron in bundles, < 0 for one computed
  * elsewhere, as a hybrid engine's device neurons are), then sf_sparse_mlp over those slots: one call per layer, so
- * nothing runs between the predictor and the MLP. ids: [inter] scratch; seconds[0] += the predictor's time,
- * seconds[1] += the MLP's. Returns the number of neurons computed, or -1 when sf_sparse_mlp could not allocate. */
+ * nothing runs between the predictor and the MLP. ids: [inter] scratch; *predictor_seconds += the predictor's time
+ * (with the slot mapping). Returns the number of neurons computed, or -1 when sf_sparse_mlp could not allocate. */
 int64_t sf_predict_mlp(const void *fc1, const float *s1, const void *fc2t, const float *s2, int p_dtype, int64_t rank, int64_t inter,
                        const float *resid, float p_threshold, const int64_t *slot_of, int64_t *ids, float *p_scratch,
                        const void *bundles, const float *scales, const float *channels, int dtype, int64_t hidden, const float *x, int act,
-                       float threshold, float out_scale, float *y, int64_t *counts, double *seconds, int nthreads) {
+                       float threshold, float out_scale, float *y, int64_t *counts, double *predictor_seconds, int nthreads) {
     double t0 = seconds_now();
     int64_t n = sf_predict(fc1, s1, fc2t, s2, p_dtype, rank, hidden, inter, resid, p_threshold, ids, p_scratch, nthreads), m = 0;
     for (int64_t i = 0; i < n; i++)
         if (slot_of[ids[i]] >= 0) ids[m++] = slot_of[ids[i]];
-    double t1 = seconds_now();
+    *predictor_seconds += seconds_now() - t0;
     int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, x, act, threshold, out_scale, y, counts, nthreads);
-    seconds[0] += t1 - t0, seconds[1] += seconds_now() - t1;
     return rc ? -1 : m;
 }
 
