@@ -26,7 +26,7 @@ def test_layer_by_layer_stream_is_the_forward():
         torch.testing.assert_close(model.model.norm(stream), model.model(ids).last_hidden_state)
 
 
-@pytest.mark.parametrize("init", ["lsq", "split"])
+@pytest.mark.parametrize("init", ["lsq", "split", "split4"])
 def test_the_init_and_adam_lower_each_layers_error(init):
     dense = tiny_model("llama", layers=2)
     ids = torch.tensor(random_windows(8, 32))
@@ -73,7 +73,7 @@ def test_the_errors_are_measured_on_strided_tokens_and_training_uses_all(monkeyp
 
 
 @pytest.mark.parametrize("target", ["mlp", "stream"])
-@pytest.mark.parametrize("init", ["lsq", "split"])
+@pytest.mark.parametrize("init", ["lsq", "split", "split4"])
 def test_the_init_gives_the_same_mlp_whether_or_not_it_keeps_the_pre_activations(monkeypatch, init, target):
     """Kept: the teacher's pass (mlp target) or the init (stream target) computes them once; else each step again."""
     dense = tiny_model("llama", layers=2)
@@ -147,6 +147,40 @@ def test_split_init_keeps_the_strongest_halves_of_the_dense_neurons():
     assert stats[0]["both_halves"] == width - len({k for k, _ in rows}) > 0
     assert stats[0]["flipped"] == sum(sg < 0 for _, sg in rows)
     assert all(r["rel_mse_init"] < r["rel_mse_before"] for r in stats)
+
+
+def test_split4_init_also_keeps_output_made_where_the_gate_is_negative():
+    """split4 chooses among all (neuron, gate sign, up sign) quarters by the SwiGLU output energy in each quarter's region
+    (silu(g) u)^2 ||d||^2; a neuron made of the negative-gate quarter reads -gate, and its down starts at the sign
+    product of its two flips. Here a dense neuron works only in the silu's negative lobe: split drops it, split4 keeps it."""
+    dense = tiny_model("llama", layers=1)
+    ids = torch.tensor(random_windows(8, 32))
+    with torch.no_grad():
+        x, r = _attention_part(dense, 0, dense.model.embed_tokens(ids), batch=2)
+        x = x.reshape(-1, x.shape[-1])
+        t = dense.model.layers[0].mlp
+        t.gate_proj.weight[0] = -x.mean(0)  # gate < 0 on most tokens
+        t.gate_proj.weight[0] /= (x @ t.gate_proj.weight[0]).abs().mean()  # |g| ~ 1: the lobe's deepest part
+        t.down_proj.weight[:, 0] *= 50  # and a strong output
+        g, u = x @ t.gate_proj.weight.T, x @ t.up_proj.weight.T
+        e = (F.silu(g) * u).pow(2) * t.down_proj.weight.pow(2).sum(0)
+        regions = [(1, 1), (1, -1), (-1, 1), (-1, -1)]
+    energy = torch.stack([(e * ((a * g > 0) & (b * u > 0))).sum(0) for a, b in regions]).flatten()
+    width = g.shape[1]
+    chosen = sorted(energy.topk(width).indices.tolist())
+    assert any(k // width >= 2 and k % width == 0 for k in chosen)  # neuron 0's negative-gate quarter is among the strongest
+    results = {}
+    for init in ("split", "split4"):
+        sparse = convert_model(copy.deepcopy(dense), "drelu")
+        stats = distill_layerwise(sparse, dense, ids, LayerwiseSettings(epochs=0, inputs="teacher", init=init, weights="uniform"), progress=False)
+        results[init] = (sparse.model.layers[0].mlp, stats[0])
+    s4, st4 = results["split4"]
+    signs = torch.tensor([regions[k // width] for k in chosen], dtype=torch.float32)
+    source = [k % width for k in chosen]
+    assert torch.equal(s4.gate_proj.weight, t.gate_proj.weight[source] * signs[:, :1])
+    assert torch.equal(s4.up_proj.weight, t.up_proj.weight[source] * signs[:, 1:])
+    assert st4["negative_gate"] == int((signs[:, 0] < 0).sum()) > 0 and results["split"][1]["negative_gate"] == 0
+    assert st4["rel_mse_init"] < results["split"][1]["rel_mse_init"]  # the lobe's output is kept
 
 
 def test_the_refit_ridge_pulls_down_from_least_squares_towards_the_dense_halves():

@@ -24,7 +24,9 @@ lam = `ridge` times the mean diagonal of H^T H.
 Both steps are closed form; they alone take most layers' relative error from 0.3-0.8 to 0.05-0.6.
 `init="split"` chooses among all 2I (neuron, sign) candidates instead of one sign per neuron: the I whose output
 relu(g) * relu(+-u) * ||d|| carries the most energy on x, so a neuron whose output comes with both signs of up
-keeps both halves and the weakest neurons make room; the refit is the same. The target, the choice, the refit and
+keeps both halves and the weakest neurons make room; the refit is the same. `init="split4"` chooses among all 4I
+(neuron, gate sign, up sign) quarters relu(+-g) * relu(+-u), by the SwiGLU output energy silu(g)^2 u^2 ||d||^2 in
+each quarter's region: a layer whose SwiGLU output comes largely from silu's negative lobe (g < 0) keeps some of it. The target, the choice, the refit and
 (without Adam) the student's output read one computation of the tokens' gate and up pre-activations (kept up to
 LSQ_CACHE_BYTES). `epochs=0` is the closed form alone.
 
@@ -61,7 +63,7 @@ class LayerwiseSettings:
     batch_tokens: int = 512
     inputs: str = "teacher"  # teacher | student
     target: str = "mlp"  # mlp | stream (student inputs only)
-    init: str = "split"  # lsq | split | none
+    init: str = "split"  # lsq | split | split4 | none
     forward_batch: int = 4  # windows per layer forward
     target_zeros: float | None = None  # set each layer's dReLU threshold for this fraction of exact zeros before its refit
     seed: int = 0
@@ -132,48 +134,53 @@ def _teacher_pass(teacher_mlp, x: torch.Tensor, keep: bool) -> tuple[torch.Tenso
 
 
 @torch.no_grad()
-def _rebuild(student_mlp, teacher_mlp, x: torch.Tensor, w: torch.Tensor, split: bool, pre: list | None,
-             keep: bool) -> tuple[torch.Tensor, torch.Tensor, list | None]:  # fmt: skip
-    """Rebuild gate and up from the teacher's (see the module docstring): each neuron reads one of the 2I candidates
-    (teacher neuron k, sign s), gate_k and s * up_k. split=False: every k once, with the sign that keeps more of its
-    SwiGLU output on x [T, H]; split=True: the I candidates of largest output energy, so a neuron whose output comes
-    with both signs of up can keep both halves. w [T]: token weights. pre: the teacher's pre-activations per chunk
-    (_teacher_pass), turned into the student's in place; without them they are computed here, and kept when `keep`.
-    Returns source [I], sign [I] and the student's pre-activations per chunk (or None: the refit computes them)."""
+def _rebuild(student_mlp, teacher_mlp, x: torch.Tensor, w: torch.Tensor, init: str, pre: list | None,
+             keep: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list | None]:  # fmt: skip
+    """Rebuild gate and up from the teacher's (see the module docstring): each neuron reads one candidate (teacher
+    neuron k, gate sign a, up sign b), a * gate_k and b * up_k, its down column starting as a * b * down_k. "lsq": every
+    k once, a = 1, b the sign that keeps more of its SwiGLU output on x [T, H]; "split": the I of the 2I candidates
+    with a = 1 of largest output energy, so a neuron whose output comes with both signs of up can keep both halves;
+    "split4": the I of all 4I, energy measured on the SwiGLU output, so output made where the gate is negative (the
+    silu's lobe) can be kept too. w [T]: token weights. pre: the teacher's pre-activations per chunk (_teacher_pass),
+    turned into the student's in place; without them they are computed here, and kept when `keep`. Returns source
+    [I], gate sign [I], up sign [I] and the student's pre-activations per chunk (or None: the refit computes them)."""
     wg, wu, wd = teacher_mlp.gate_proj.weight, teacher_mlp.up_proj.weight, teacher_mlp.down_proj.weight  # [I, H], [H, I]
     if any(getattr(m, "bias", None) is not None for m in (student_mlp.gate_proj, student_mlp.up_proj, student_mlp.down_proj)):
-        raise SparseforgeError(f"layerwise_init: {'split' if split else 'lsq'} needs MLPs without biases; set layerwise_init: none")
-    plus = torch.zeros(wg.shape[0], dtype=torch.float64, device=x.device)  # per neuron, its +up and -up halves' score
-    minus = torch.zeros_like(plus)
+        raise SparseforgeError(f"layerwise_init: {init} needs MLPs without biases; set layerwise_init: none")
+    width = wg.shape[0]
+    signs = [(1.0, 1.0), (1.0, -1.0)] + ([(-1.0, 1.0), (-1.0, -1.0)] if init == "split4" else [])  # (gate, up) per candidate block
+    score = torch.zeros(len(signs), width, dtype=torch.float64, device=x.device)  # per (block, neuron)
     computed = pre is None
     if computed:
         pre = [] if keep else None
     for k, i in enumerate(range(0, len(x), _CHUNK)):
         g, u = (x[i : i + _CHUNK] @ wg.T, x[i : i + _CHUNK] @ wu.T) if computed else pre[k]  # [t, I]
         wt = w[i : i + _CHUNK, None]
-        if split:  # output energy (more is better): relu(g)^2 u^2, split by the sign of u
-            e, up = F.relu(g).mul_(u).square_(), u > 0  # [t, I]
-            plus += (wt.T @ (e * up))[0].double()
-            minus += (wt.T @ e.mul_(~up))[0].double()
-        else:  # error against the SwiGLU output (less is better)
+        if init == "lsq":  # error against the SwiGLU output (less is better)
             s = F.silu(g) * u
-            plus += (s - F.relu(g) * F.relu(u)).pow(2).mul_(wt).sum(0, dtype=torch.float64)
-            minus += (s + F.relu(g) * F.relu(-u)).pow(2).mul_(wt).sum(0, dtype=torch.float64)
+            score[0] += (s - F.relu(g) * F.relu(u)).pow(2).mul_(wt).sum(0, dtype=torch.float64)
+            score[1] += (s + F.relu(g) * F.relu(-u)).pow(2).mul_(wt).sum(0, dtype=torch.float64)
             del s
+        else:  # output energy (more is better) in each candidate's region: relu(g)^2 u^2 (split), silu(g)^2 u^2 (split4)
+            e = (F.relu(g) if init == "split" else F.silu(g)).mul_(u).square_()  # [t, I]
+            for j, (a, b) in enumerate(signs):
+                score[j] += (wt.T @ (e * ((a * g > 0) & (b * u > 0))))[0].double()
+            del e
         if computed and keep:
             pre.append((g, u))
-    width = wg.shape[0]
-    if split:
-        energy = torch.cat([plus, minus]) * wd.double().pow(2).sum(0).repeat(2)  # [2I] through down
-        chosen = energy.topk(width).indices.sort().values
-        source, sign = chosen % width, torch.where(chosen < width, 1.0, -1.0).to(wu.dtype)
+    if init == "lsq":
+        source = torch.arange(width, device=x.device)
+        gate_sign, up_sign = torch.ones(width, dtype=wu.dtype, device=x.device), torch.where(score[1] < score[0], -1.0, 1.0).to(wu.dtype)
     else:
-        source, sign = torch.arange(width, device=x.device), torch.where(minus < plus, -1.0, 1.0).to(wu.dtype)
-    student_mlp.gate_proj.weight.copy_(wg[source])
-    student_mlp.up_proj.weight.copy_(wu[source] * sign[:, None])
+        chosen = (score * wd.double().pow(2).sum(0)).flatten().topk(width).indices.sort().values  # [blocks * I], through down
+        source, block = chosen % width, chosen // width
+        table = torch.tensor(signs, dtype=wu.dtype, device=x.device)  # [blocks, 2]
+        gate_sign, up_sign = table[block, 0], table[block, 1]
+    student_mlp.gate_proj.weight.copy_(wg[source] * gate_sign[:, None])
+    student_mlp.up_proj.weight.copy_(wu[source] * up_sign[:, None])
     for k, (g, u) in enumerate(pre or ()):  # the student's pre-activations
-        pre[k] = (g, u.mul_(sign)) if not split else (g[:, source], u[:, source].mul_(sign))
-    return source, sign, pre
+        pre[k] = (g[:, source].mul_(gate_sign), u[:, source].mul_(up_sign))
+    return source, gate_sign, up_sign, pre
 
 
 @torch.no_grad()
@@ -264,10 +271,10 @@ def distill_layerwise(student, teacher, windows: torch.Tensor, settings: Layerwi
     s = settings
     if hasattr(student.model.layers[0].mlp, "experts"):
         raise SparseforgeError("layer-wise distillation supports dense-MLP models; for MoE set layerwise_tokens: 0")
-    if (s.inputs not in ("teacher", "student") or s.init not in ("lsq", "split", "none") or s.target not in ("mlp", "stream")
+    if (s.inputs not in ("teacher", "student") or s.init not in ("lsq", "split", "split4", "none") or s.target not in ("mlp", "stream")
             or s.weights not in ("stream", "uniform")):  # fmt: skip
         raise SparseforgeError(f"layer-wise settings inputs={s.inputs!r} init={s.init!r} target={s.target!r} weights={s.weights!r}; "
-                               "use inputs teacher|student, init lsq|split|none, target mlp|stream, weights stream|uniform")
+                               "use inputs teacher|student, init lsq|split|split4|none, target mlp|stream, weights stream|uniform")
     if s.target == "stream" and s.inputs != "student":
         raise SparseforgeError("layerwise_target: stream needs layerwise_inputs: student (with teacher inputs it is the mlp target)")
     was_training = student.training
@@ -296,12 +303,13 @@ def distill_layerwise(student, teacher, windows: torch.Tensor, settings: Layerwi
         xp, yp, wp = x[probe], y[probe], w[probe]
         row = {"layer": l, "rel_mse_before": _rel_mse(mlp, xp, yp, wp)}
         if s.init != "none":
-            picked, sign, pre = _rebuild(mlp, teacher_mlp, x, w, s.init == "split", pre, keep)
+            picked, gate_sign, up_sign, pre = _rebuild(mlp, teacher_mlp, x, w, s.init, pre, keep)
         if s.target_zeros is not None:
             row.update(_set_threshold(mlp, x, s.target_zeros))
         if s.init != "none":
-            _refit_down(mlp, x, y, w, teacher_mlp.down_proj.weight[:, picked] * sign[None, :], pre, s.ridge)
-            row["flipped"] = int((sign < 0).sum())
+            _refit_down(mlp, x, y, w, teacher_mlp.down_proj.weight[:, picked] * (gate_sign * up_sign)[None, :], pre, s.ridge)
+            row["flipped"] = int((up_sign < 0).sum())
+            row["negative_gate"] = int((gate_sign < 0).sum())
             row["both_halves"] = int(len(picked) - picked.unique().numel())  # teacher neurons read with both signs
             row["rel_mse_init"] = _rel_mse(mlp, xp, yp, wp)
         if s.epochs:

@@ -67,7 +67,7 @@ class Recipe:
     layerwise_target: str = "mlp"  # mlp: the dense MLP's output; stream: the dense model's stream minus the student's (student inputs)
     layerwise_ridge: float = 1e-3  # the init's refit of down: ridge towards the dense down, a fraction of the mean diagonal of H^T H
     layerwise_weights: str = "uniform"  # uniform: plain squared error of the MLP output; stream: each token's weighted by 1 / its stream's mean square after the layer
-    layerwise_init: str = "split"  # lsq: per-neuron sign of (up, down), then down by least squares, before Adam; split: the I strongest of the 2I (neuron, sign) halves, then the same refit; none: as converted
+    layerwise_init: str = "split"  # lsq: per-neuron sign of (up, down), then down by least squares, before Adam; split: the I strongest of the 2I (neuron, sign) halves, then the same refit; split4: of the 4I (neuron, gate sign, up sign) quarters; none: as converted
     target_zeros: float | None = None  # dReLU thresholds set before end-to-end training for this fraction of exact zeros per layer, kept while training (null: none)
     layerwise_thresholds: bool = False  # true: stage 1 sets each layer's target_zeros threshold before refitting it; false: calibrated after stage 1
     device: str = "auto"  # auto: accelerate's choice; cpu forces CPU
@@ -166,8 +166,8 @@ def validate(recipe: Recipe) -> Recipe:
         raise SparseforgeError(f"recipe key 'layerwise_target' is {r.layerwise_target!r}; use mlp or stream")
     if r.layerwise_target == "stream" and r.layerwise_inputs != "student":
         raise SparseforgeError("recipe key 'layerwise_target' is stream but 'layerwise_inputs' is teacher; set layerwise_inputs: student")
-    if r.layerwise_init not in ("lsq", "split", "none"):
-        raise SparseforgeError(f"recipe key 'layerwise_init' is {r.layerwise_init!r}; use lsq, split or none")
+    if r.layerwise_init not in ("lsq", "split", "split4", "none"):
+        raise SparseforgeError(f"recipe key 'layerwise_init' is {r.layerwise_init!r}; use lsq, split, split4 or none")
     if r.max_steps and r.warmup_steps > r.max_steps:
         raise SparseforgeError(f"warmup_steps ({r.warmup_steps}) exceeds max_steps ({r.max_steps}); lower warmup_steps")
     if r.target_zeros is not None and not 0 < r.target_zeros < 1:
