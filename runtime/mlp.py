@@ -99,9 +99,7 @@ class SparseMLP:
         """_native_row's sparse mode for a unit whose neurons have fixed slots (a hybrid engine's CPU part): predictor
         and kernel in one native call, no PyTorch op between them."""
         p = self.model.predictors[(layer, expert)]
-        if (layer, expert) not in self._native_predictor:
-            self._native_predictor[(layer, expert)] = (torch.empty(unit.intermediate, dtype=torch.long), torch.empty(p.fc1[0].shape[0] + unit.intermediate))
-        ids, scratch = self._native_predictor[(layer, expert)]
+        ids, scratch = self._predictor_buffers(layer, expert, p, unit.intermediate)
         before = self._seconds.value
         n = kernels.predict_mlp_native(p.fc1, p.fc2t, p.threshold, resid, fixed, ids, scratch, unit.bundles, unit.scales, unit.channels, xn,
                                        self.model.activations[layer], y, scale, self.meter.rows_read, self._seconds, self.model.threads)  # fmt: skip
@@ -114,12 +112,16 @@ class SparseMLP:
         if p is None:
             return None
         start = time.perf_counter()
-        if (layer, expert) not in self._native_predictor:
-            self._native_predictor[(layer, expert)] = (torch.empty(intermediate, dtype=torch.long), torch.empty(p.fc1[0].shape[0] + intermediate))
-        out, scratch = self._native_predictor[(layer, expert)]
+        out, scratch = self._predictor_buffers(layer, expert, p, intermediate)
         ids = kernels.predict_native(p.fc1, p.fc2t, p.threshold, resid, out, scratch, self.model.threads)
         self.meter.predictor(time.perf_counter() - start)
         return ids
+
+    def _predictor_buffers(self, layer: int, expert: int, p, intermediate: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The native predictor's buffers of a unit, made once: ids out [I] (int64) and float32 scratch [rank + I]."""
+        if (layer, expert) not in self._native_predictor:
+            self._native_predictor[(layer, expert)] = (torch.empty(intermediate, dtype=torch.long), torch.empty(p.fc1[0].shape[0] + intermediate))
+        return self._native_predictor[(layer, expert)]
 
     def _screen_row(self, layer: int, expert: int, xn: torch.Tensor) -> torch.Tensor:
         """The neurons of one row the unit's screen cannot prove zero (ascending ids); the screen's time and bytes metered."""

@@ -23,12 +23,12 @@ is refit by ridge least squares on all tokens, shrunk towards the dense down:
 lam = `ridge` times the mean diagonal of H^T H.
 Both steps are closed form; they alone take most layers' relative error from 0.3-0.8 to 0.05-0.6.
 `init="split"` chooses among all 2I (neuron, sign) candidates instead of one sign per neuron: the I whose output
-relu(g) * relu(+-u) * ||d|| carries the most energy on x, so a neuron whose output comes with both signs of up
-keeps both halves and the weakest neurons make room; the refit is the same. `init="split4"` chooses among all 4I
-(neuron, gate sign, up sign) quarters relu(+-g) * relu(+-u), by the SwiGLU output energy silu(g)^2 u^2 ||d||^2 in
-each quarter's region: a layer whose SwiGLU output comes largely from silu's negative lobe (g < 0) keeps some of it. The target, the choice, the refit and
-(without Adam) the student's output read one computation of the tokens' gate and up pre-activations (kept up to
-LSQ_CACHE_BYTES). `epochs=0` is the closed form alone.
+relu(g) * relu(+-u) * ||d|| carries the most energy on x, so a neuron whose output comes with both signs of up keeps
+both halves and the weakest neurons make room; the refit is the same. `init="split4"` chooses among all 4I (neuron,
+gate sign, up sign) quarters relu(+-g) * relu(+-u), by the SwiGLU output energy silu(g)^2 u^2 ||d||^2 in each
+quarter's region: a layer whose SwiGLU output comes largely from silu's negative lobe (g < 0) keeps some of it. The
+target, the choice, the refit and (without Adam) the student's output read one computation of the tokens' gate and
+up pre-activations (kept up to LSQ_CACHE_BYTES). `epochs=0` is the closed form alone.
 
 The token weights. Every sum over tokens above (the init's choice and refit, Adam's loss, the reported errors)
 weighs token t by w_t: 1 (`weights="uniform"`), or 1 / mean(h_t^2), h_t the stream after the layer on target,
