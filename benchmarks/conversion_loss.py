@@ -9,7 +9,7 @@ sources), this measures:
   the init, the threshold for `--zeros`, the ridge refit of down, no Adam) with `split`, with `split4` (negative-gate
   quarters allowed) and with `split` plus a dense linear path of rank r beside it (the top r principal directions of
   x, refit jointly with down): how much of the loss a dense low-rank term could take back;
-- the active fractions of split and split4 before the threshold: negative-gate neurons fire on most tokens.
+- the active fractions of split and split4 before the threshold (how often the neurons each keeps fire).
 
     python benchmarks/conversion_loss.py --config recipes/smollm2-135m-quickstart.yaml --threads 2
 
