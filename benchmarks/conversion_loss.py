@@ -29,14 +29,14 @@ from common import RESULTS, environment, write_results  # noqa: E402
 
 
 def main(argv=None) -> int:
+    from sparseforge.cli_options import add_recipe_options
     from sparseforge.sources import load_model
     from sparseforge.sparsify.convert import convert_model
     from sparseforge.train.mixture import build_mixture, validation_windows
     from sparseforge.train.recipe import load_recipe
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, help="recipe YAML: its model (or teacher), sources, seq_len and data")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="recipe override (repeatable)")
+    add_recipe_options(p)
     p.add_argument("--tokens", type=int, default=8192, help="training-text tokens the closed form is fit on (default: 8192)")
     p.add_argument("--heldout-tokens", type=int, default=4096, help="held-out tokens the errors are measured on, shared among the sources in whole windows (default: 4096)")
     p.add_argument("--zeros", type=float, default=0.85, help="the threshold's target fraction of exact zeros (default: 0.85)")

@@ -24,14 +24,14 @@ from common import RESULTS, environment  # noqa: E402
 
 
 def main(argv=None) -> int:
+    from sparseforge.cli_options import add_recipe_options
     from sparseforge.sources import load_model
     from sparseforge.train.mixture import build_mixture
     from sparseforge.train.recipe import load_recipe
     from sparseforge.train.teacher_text import check_generated, generate_store
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, help="recipe YAML")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="recipe override (repeatable)")
+    add_recipe_options(p)
     p.add_argument("--batches", default="32,64,128", help="comma-separated sampling batch sizes (default: 32,64,128)")
     p.add_argument("--threads", type=int, default=None, help="torch threads on a CPU (default: torch's choice)")
     p.add_argument("--out", default=None, help="result path without suffix (default benchmarks/results/teacher-text-<device>)")

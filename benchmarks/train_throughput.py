@@ -79,12 +79,12 @@ def peak(device: torch.device, precision: str, threads: int) -> tuple[float, str
 
 
 def main(argv=None) -> int:
+    from sparseforge.cli_options import add_recipe_options
     from sparseforge.train.loop import train
     from sparseforge.train.recipe import load_recipe
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, help="recipe YAML")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="recipe override (repeatable)")
+    add_recipe_options(p)
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--threads", type=int, default=None, help="torch threads on a CPU (default: torch's choice)")

@@ -87,8 +87,8 @@ class DeviceGraphs:
         self.tok.fill_(token)
         self.pos.fill_(n)
         key = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (cache.k, cache.v))
-        if key != self.cache_key:  # graphs hold the cache's addresses and layout (not the cache: a cache of the same
-            # layout allocated where a freed one was reuses them, as Engine.new_cache's batch-1 caches do)
+        if key != self.cache_key:  # graphs hold the cache's addresses and layout (not the cache: a cache over the same
+            # storage, as new_cache hands out, reuses them)
             self.cache_key, self.segments = key, {}
             self.pool = torch.cuda.graph_pool_handle() if self.cuda else None  # the old graphs' pool goes with them
         last = len(self.bounds) - 1

@@ -75,12 +75,12 @@ class SparseMLP:
         compute the ready part, wait for the rest, compute it, release."""
         I = unit.intermediate
         mode, neurons = self.model.mode, None
-        fixed = unit.fixed_slots
-        if mode == "sparse" and fixed is not None and self.model.predictors[(layer, expert)] is not None:
-            self._predict_mlp_row(layer, expert, unit, fixed, xn, resid, scale, y)
+        p = self.model.predictors[(layer, expert)] if mode == "sparse" else None
+        if p is not None and unit.fixed_slots is not None:
+            self._predict_mlp_row(layer, expert, p, unit, xn, resid, scale, y)
             return
-        if mode == "sparse":
-            neurons = self._predict_row(layer, expert, resid, I)
+        if p is not None:
+            neurons = self._predict_row(layer, expert, p, resid, I)
         elif mode == "screen":
             neurons = self._screen_row(layer, expert, xn)
         neurons = self._computed(unit, neurons)
@@ -94,23 +94,18 @@ class SparseMLP:
             req.release()
         self.meter.native_mlp(neurons.numel(), _width(unit), row_bytes(unit))
 
-    def _predict_mlp_row(self, layer: int, expert: int, unit, fixed: torch.Tensor, xn: torch.Tensor, resid: torch.Tensor, scale: float,
-                         y: torch.Tensor) -> None:
-        """_native_row's sparse mode for a unit whose neurons have fixed slots (a hybrid engine's CPU part): predictor
-        and kernel in one native call, no PyTorch op between them."""
-        p = self.model.predictors[(layer, expert)]
+    def _predict_mlp_row(self, layer: int, expert: int, p, unit, xn: torch.Tensor, resid: torch.Tensor, scale: float, y: torch.Tensor) -> None:
+        """_native_row's sparse mode with predictor p for a unit whose neurons have fixed slots (a hybrid engine's CPU
+        part): predictor and kernel in one native call, no PyTorch op between them."""
         ids, scratch = self._predictor_buffers(layer, expert, p, unit.intermediate)
         before = self._seconds.value
-        n = kernels.predict_mlp_native(p.fc1, p.fc2t, p.threshold, resid, fixed, ids, scratch, unit.bundles, unit.scales, unit.channels, xn,
+        n = kernels.predict_mlp_native(p.fc1, p.fc2t, p.threshold, resid, unit.fixed_slots, ids, scratch, unit.bundles, unit.scales, unit.channels, xn,
                                        self.model.activations[layer], y, scale, self.meter.rows_read, self._seconds, self.model.threads)  # fmt: skip
         self.meter.predictor(self._seconds.value - before)
         self.meter.native_mlp(n, _width(unit), row_bytes(unit))
 
-    def _predict_row(self, layer: int, expert: int, resid: torch.Tensor, intermediate: int) -> torch.Tensor | None:
-        """Predicted-active neuron ids of one row (None: the unit has no predictor, all active)."""
-        p = self.model.predictors[(layer, expert)]
-        if p is None:
-            return None
+    def _predict_row(self, layer: int, expert: int, p, resid: torch.Tensor, intermediate: int) -> torch.Tensor:
+        """Predicted-active neuron ids of one row with the unit's predictor p."""
         start = time.perf_counter()
         out, scratch = self._predictor_buffers(layer, expert, p, intermediate)
         ids = kernels.predict_native(p.fc1, p.fc2t, p.threshold, resid, out, scratch, self.model.threads)

@@ -1,5 +1,6 @@
-"""Options shared by the verbs: the help formatter of every verb, and the text-stream options of the verbs
-that stream real text through a model (measure, threshold, profile, predictors)."""
+"""Options shared by the verbs: the help formatter of every verb, the text-stream options of the verbs
+that stream real text through a model (measure, threshold, profile, predictors), and a recipe's --config / --set
+(the train stage and the benchmarks that read a recipe)."""
 
 import argparse
 
@@ -33,3 +34,10 @@ def stream_options(args: argparse.Namespace) -> TextStream:
     """The text-stream options of a parsed verb."""
     return TextStream(tuple(args.data) if args.data else None, args.text_field, args.tokens, args.seq_len, args.batch_size,
                       args.device, args.threads, not args.no_progress)
+
+
+def add_recipe_options(p: argparse.ArgumentParser) -> None:
+    """--config RECIPE and repeatable --set KEY=VALUE overrides (args.config, args.overrides: train.recipe.load_recipe's)."""
+    p.add_argument("--config", required=True, help="recipe YAML (see recipes/); its header shows the launch command")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe key, value parsed as YAML (repeatable), e.g. --set max_steps=20")

@@ -3,11 +3,11 @@
 import argparse
 import sys
 
+from sparseforge.cli_options import add_recipe_options
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="recipe YAML (see recipes/); its header shows the launch command")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe key, value parsed as YAML (repeatable), e.g. --set max_steps=20")
+    add_recipe_options(p)
     p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its latest saved state")
     p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                    help="save the state and stop at this step (continue later with --resume)")
