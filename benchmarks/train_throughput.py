@@ -9,8 +9,8 @@ Model FLOPs per token (PaLM's accounting, no recomputation counted): the student
 backward 2N + 8·L·d·S for activation gradients plus 2·N_trainable for weight gradients, and the teacher's forward
 2N + 4·L·d·S, where N counts every weight a token is multiplied by (the LM head included, the embedding lookup
 not), L layers, d the attention width, S the sequence length. MFU divides achieved FLOP/s by the device's peak:
-the datasheet dense figure for known GPUs at the step's precision, and on a CPU the float32 matmul rate measured
-here (so "MFU" there is the fraction of what this CPU's matmul reaches).
+the datasheet dense figure for known GPUs at the step's precision, and on a CPU the matmul rate measured here at the
+step's precision (float32, or bf16 under bf16 autocast; so "MFU" there is the fraction of what this CPU's matmul reaches).
 
     python benchmarks/train_throughput.py --config recipes/smollm2-135m-drelu.yaml --steps 6 --warmup 2
     python benchmarks/train_throughput.py --config recipes/smollm2-135m-drelu-gpu.yaml --set micro_batch_size=32 --steps 20
@@ -55,10 +55,10 @@ def flops_per_token(config, trainable_params: int, seq_len: int, teacher: bool) 
     return {"matmul_params": n, "student": student, "teacher": forward if teacher else 0, "total": student + (forward if teacher else 0)}
 
 
-def cpu_peak(threads: int) -> float:
-    """float32 matmul FLOP/s on this CPU (2048^3, median of 5)."""
+def cpu_peak(threads: int, dtype: torch.dtype = torch.float32) -> float:
+    """matmul FLOP/s on this CPU in `dtype` (2048^3, median of 5)."""
     torch.set_num_threads(threads)
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
     a @ b
     times = []
     for _ in range(5):
@@ -75,7 +75,8 @@ def peak(device: torch.device, precision: str, threads: int) -> tuple[float, str
             if key in name:
                 return peaks[precision], f"{name} datasheet dense {precision}"
         return float("nan"), f"{name}: no datasheet peak known"
-    return cpu_peak(threads), f"measured float32 matmul, {threads} threads"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    return cpu_peak(threads, dtype), f"measured {str(dtype).removeprefix('torch.')} matmul, {threads} threads"
 
 
 def main(argv=None) -> int:

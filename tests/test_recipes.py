@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from sparseforge.errors import SparseforgeError
@@ -88,3 +89,19 @@ def test_missing_required_and_overrides(tmp_path):
         load_recipe(raw=BASE, overrides=["max_steps"])
     with pytest.raises(SparseforgeError, match="does not exist"):
         load_recipe(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_auto_precision_takes_bf16_where_the_cpu_multiplies_it_natively(monkeypatch, amx):
+    """mixed_precision and teacher_dtype `auto`: bf16 on a CPU with AMX and AVX-512 BF16, float32 on one without;
+    explicit settings are kept."""
+    from sparseforge.train import precision
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    cpu = torch.device("cpu")
+    assert load_recipe(raw=BASE, overrides=["mixed_precision=auto"]).mixed_precision == "auto"
+    assert precision.resolve_mixed_precision("auto", cpu) == ("bf16" if amx else "no")
+    assert precision.resolve_mixed_precision("no", cpu) == "no" and precision.resolve_mixed_precision("bf16", cpu) == "bf16"
+    assert precision.device_settings(cpu, "auto")["teacher_dtype"] == (torch.bfloat16 if amx else torch.float32)
+    assert precision.device_settings(cpu, "float32")["teacher_dtype"] == torch.float32

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 
 import pytest
 import torch
@@ -170,8 +171,8 @@ def test_mlp_only_training_leaves_the_rest_untouched(workspace, tmp_path):
 
 def test_gradient_checkpointing_and_bf16_teacher_run_the_same_loop(workspace, tmp_path):
     base = dict(max_steps=2, eval_every=0, save_every=0, distill_kl=1.0)
-    train(_recipe(workspace, tmp_path / "plain", **base), progress=False)
-    train(_recipe(workspace, tmp_path / "ckpt", gradient_checkpointing=True, **base), progress=False)
+    train(_recipe(workspace, tmp_path / "plain", teacher_dtype="float32", **base), progress=False)
+    train(_recipe(workspace, tmp_path / "ckpt", teacher_dtype="float32", gradient_checkpointing=True, **base), progress=False)
     assert _losses(tmp_path / "ckpt")[0] == pytest.approx(_losses(tmp_path / "plain")[0], rel=1e-5)
     train(_recipe(workspace, tmp_path / "bf16", teacher_dtype="bfloat16", **base), progress=False)
     kl = [l["distill_kl"] for l in _losses(tmp_path / "bf16")[1] if "distill_kl" in l]
@@ -266,3 +267,25 @@ def test_state_saves_of_a_tied_head_print_no_warning(workspace, tmp_path, caplog
     with caplog.at_level("WARNING"):
         train(_recipe(workspace, tmp_path / "run", max_steps=1, eval_every=0, save_every=1), progress=False)
     assert not [r for r in caplog.records if "Removed shared tensor" in r.getMessage()]
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_auto_mixed_precision_trains_in_bf16_where_the_cpu_has_amx(workspace, tmp_path, monkeypatch, amx):
+    """mixed_precision auto on a CPU: the end-to-end steps run in bf16 autocast with AMX, in float32 without, and train
+    either way after a float32 stage 1."""
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    run = tmp_path / ("amx" if amx else "plain")
+    AcceleratorState._reset_state(True)  # accelerate keeps one process-wide state: its precision is set once per process
+    try:
+        train(_recipe(workspace, run, max_steps=2, eval_every=0, save_every=0, mixed_precision="auto", layerwise_tokens=256,
+                      layerwise_epochs=1, layerwise_batch_tokens=64), progress=False)
+    finally:
+        AcceleratorState._reset_state(True)
+    losses, lines = _losses(run)
+    start = next(l for l in lines if l.get("event") == "start")
+    assert start["mixed_precision"] == ("bf16" if amx else "no")
+    assert len(losses) == 2 and all(math.isfinite(l) for l in losses)
+    assert any(l.get("stage") == "layerwise" for l in lines)

@@ -40,6 +40,7 @@ from sparseforge.train.hooks import ActivationHooks
 from sparseforge.train.layerwise import LayerwiseSettings, distill_layerwise
 from sparseforge.train.mixture import build_mixture, validation_windows
 from sparseforge.train.objective import LayerTap, Objective, model_validation_loss, teacher_outputs, validation_loss
+from sparseforge.train.precision import device_settings, resolve_mixed_precision, training_device
 from sparseforge.train.recipe import Recipe
 from sparseforge.train.schedules import lr_multiplier, ramp
 from sparseforge.train.tokens import check_sources
@@ -172,16 +173,6 @@ def _configure_deepspeed(accelerator, r: Recipe) -> None:
             raise SparseforgeError(f"accelerate DeepSpeed config has {key}: {theirs} but the recipe has {recipe_key}: {ours}; make them equal")
 
 
-def _device_settings(accelerator, r: Recipe) -> dict:
-    """What the device changes: the teacher's dtype, fused AdamW, TF32 matmuls (CUDA only)."""
-    cuda = accelerator.device.type == "cuda"
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 parts of a step (the optimizer, norms, loss math)
-        torch.backends.cudnn.allow_tf32 = True
-    dtype = r.teacher_dtype if r.teacher_dtype != "auto" else ("bfloat16" if cuda else "float32")
-    return {"teacher_dtype": getattr(torch, dtype), "fused_adamw": cuda}
-
-
 def _freeze(model, trainable: str) -> list[torch.nn.Parameter]:
     """The parameters the optimizer updates: all, or the MLPs' only (attention, norms and embeddings frozen)."""
     if trainable == "mlp":
@@ -234,13 +225,13 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     check_sources(r.sources, r.data_root)  # a missing data folder stops the run before any model loads
     accelerator = Accelerator(
         gradient_accumulation_steps=r.gradient_accumulation_steps,
-        mixed_precision=r.mixed_precision,
+        mixed_precision=resolve_mixed_precision(r.mixed_precision, training_device(r.device)),
         log_with=r.report_to or None,
         project_dir=str(run_dir),
         cpu=r.device == "cpu",
     )
     _configure_deepspeed(accelerator, r)
-    settings = _device_settings(accelerator, r)
+    settings = device_settings(accelerator.device, r.teacher_dtype)
     set_seed(r.seed)
     main = accelerator.is_main_process
     if main:

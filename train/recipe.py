@@ -36,7 +36,7 @@ class Recipe:
     weight_decay: float = 0.0  # AdamW weight decay
     betas: tuple = (0.9, 0.95)  # AdamW betas
     grad_clip: float = 1.0  # max gradient norm (0 = off)
-    mixed_precision: str = "no"  # no | bf16 | fp16 (bf16 autocast is slow on CPUs without bf16 instructions)
+    mixed_precision: str = "no"  # no | bf16 | fp16 | auto: bf16 where the device multiplies bf16 natively (CUDA, CPUs with AMX), else no
     seed: int = 0  # model-independent seed: data order, dropout
     val_every: int = 50  # document i of a source is held out for validation (never trained on) when i % val_every == 0
     val_tokens: int = 4096  # validation tokens per source
@@ -51,7 +51,7 @@ class Recipe:
     distill_temperature: float = 1.0  # softmax temperature of the distillation KL
     distill_hidden: float = 0.0  # weight of feature distillation: each layer's output vs the teacher's, squared error relative to the teacher's per token, mean over tokens and layers (0 = off)
     teacher: str | None = None  # dense teacher spec; default: `model` when it is dense
-    teacher_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 elsewhere; or float32 | bfloat16 | float16
+    teacher_dtype: str = "auto"  # auto: bfloat16 where the device multiplies bf16 natively (CUDA, CPUs with AMX), float32 elsewhere; or float32 | bfloat16 | float16
     trainable: str = "all"  # all | mlp (attention, norms and embeddings frozen)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
     compile: bool = False  # torch.compile the decoder stack
@@ -149,8 +149,8 @@ def validate(recipe: Recipe) -> Recipe:
             raise SparseforgeError(f"recipe key {key!r} must be > 0, got {getattr(r, key)}")
     if not 0 <= r.min_lr_ratio <= 1:
         raise SparseforgeError(f"recipe key 'min_lr_ratio' must be in [0, 1], got {r.min_lr_ratio}")
-    if r.mixed_precision not in ("no", "bf16", "fp16"):
-        raise SparseforgeError(f"recipe key 'mixed_precision' is {r.mixed_precision!r}; use no, bf16 or fp16")
+    if r.mixed_precision not in ("no", "bf16", "fp16", "auto"):
+        raise SparseforgeError(f"recipe key 'mixed_precision' is {r.mixed_precision!r}; use no, bf16, fp16 or auto")
     if r.layerwise_weights not in ("stream", "uniform"):
         raise SparseforgeError(f"recipe key 'layerwise_weights' is {r.layerwise_weights!r}; use stream or uniform")
     if r.layerwise_inputs not in ("teacher", "student"):
