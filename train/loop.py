@@ -40,7 +40,7 @@ from sparseforge.train.hooks import ActivationHooks
 from sparseforge.train.layerwise import LayerwiseSettings, distill_layerwise
 from sparseforge.train.mixture import build_mixture, validation_windows
 from sparseforge.train.objective import LayerTap, Objective, model_validation_loss, teacher_outputs, validation_loss
-from sparseforge.train.precision import device_settings, resolve_mixed_precision, training_device
+from sparseforge.train.precision import device_settings, resolve_mixed_precision
 from sparseforge.train.recipe import Recipe
 from sparseforge.train.schedules import lr_multiplier, ramp
 from sparseforge.train.tokens import check_sources
@@ -211,7 +211,7 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     stop_after: save the state and return None after this many steps (an interruption on purpose, to
     run a long recipe in time-boxed pieces with --resume).
     """
-    from accelerate import Accelerator
+    from accelerate import Accelerator, PartialState
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
@@ -223,15 +223,16 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     if not resume and state_dir.exists() and any(state_dir.glob("step-*")):
         raise SparseforgeError(f"{run_dir} already holds a run; pass --resume to continue it or choose another output_dir")
     check_sources(r.sources, r.data_root)  # a missing data folder stops the run before any model loads
+    device = PartialState(cpu=r.device == "cpu").device  # this process's, as the Accelerator takes it: bf16 support, stage 1
     accelerator = Accelerator(
         gradient_accumulation_steps=r.gradient_accumulation_steps,
-        mixed_precision=resolve_mixed_precision(r.mixed_precision, training_device(r.device)),
+        mixed_precision=resolve_mixed_precision(r.mixed_precision, device),
         log_with=r.report_to or None,
         project_dir=str(run_dir),
         cpu=r.device == "cpu",
     )
     _configure_deepspeed(accelerator, r)
-    settings = device_settings(accelerator.device, r.teacher_dtype)
+    settings = device_settings(device, r.teacher_dtype)
     set_seed(r.seed)
     main = accelerator.is_main_process
     if main:
@@ -243,7 +244,6 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     log = MetricsLog(run_dir / "metrics.jsonl", main, resume_step)
 
     model, tokenizer, teacher = _models(r)
-    device = accelerator.device  # stage 1 and the reference run before accelerate.prepare, on this process's device
     model.to(device)
     if teacher is not None:
         teacher.to(device).eval().requires_grad_(False)

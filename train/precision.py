@@ -26,11 +26,6 @@ def native_bf16(device: torch.device | str) -> bool:
     return False
 
 
-def training_device(device: str) -> torch.device:
-    """The device a recipe's `device` key selects in a single process (cpu, or auto: CUDA when there is one)."""
-    return torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu")
-
-
 def resolve_mixed_precision(setting: str, device: torch.device | str) -> str:
     """The accelerate mixed_precision for a recipe's setting on `device`: `auto` becomes bf16 or no."""
     if setting != "auto":
