@@ -41,6 +41,8 @@ MAIN_METRIC = {"lambada_openai": "acc", "piqa": "acc", "arc_easy": "acc", "arc_c
                "winogrande": "acc", "boolq": "acc", "mmlu": "acc", "wikitext": "word_perplexity"}
 
 
+WHOLE_CONTEXT = {"wikitext"}  # scored one window at a time: its windows fill the context (8,192 tokens), and a batch of 8 holds
+# [8, heads, 8192, 8192] float32 attention scores (19 GB for SmolLM2-135M)
 TRAINED_FOR = "trained-for.txt"  # in each row's run folder: the training key its checkpoint was trained for
 
 
@@ -125,9 +127,10 @@ def score_model(model, tokenizer, score: dict, task_dir: Path, batch: int = 8) -
     from sparseforge.eval.harness import hf_lm, run_tasks, scores
 
     lm = hf_lm(model, tokenizer, batch_size=batch)
+    one = hf_lm(model, tokenizer, batch_size=1)
     out = {}
     for task, limit in score.items():
-        results = run_tasks(lm, [f"sf_{task}"], task_dir, limit=limit)
+        results = run_tasks(one if task in WHOLE_CONTEXT else lm, [f"sf_{task}"], task_dir, limit=limit)
         out[task] = {s.metric: s.value for s in scores(results)} | {"n": limit, "seconds": results["wall_seconds"]}
     return out
 
@@ -155,7 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help="comma-separated row names to (re)run; the others are kept as they are")
     p.add_argument("--device", default="auto", help="where rows are scored: cpu, cuda, cuda:N or auto (the GPU when there is "
                    "one; training runs where each row's recipe `device` says)")
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per scoring forward (default 8 on a CPU, 16 on a GPU: wikitext windows are 8,192 tokens)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per scoring forward (default 8 on a CPU, 16 on a GPU; wikitext, whose windows fill the context, one at a time)")
     args = p.parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     batch = args.batch_size or (16 if device.type == "cuda" else 8)
