@@ -5,7 +5,7 @@ next-token loss of:
 
 - the dense original;
 - the checkpoint as it is (its dReLU thresholds in place), and with its thresholds off (what the thresholds cost:
-  an upper bound on what any other choice of thresholds at the same zeros could take back);
+  about the most any other choice of thresholds at the same zeros could take back);
 - the checkpoint with one layer's MLP swapped back to the original's dense SwiGLU MLP, for every layer (the loss
   that layer's sparse MLP is responsible for, given the others);
 - the checkpoint with every MLP swapped back (attention, norms and embeddings as trained): what remains is not
@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, environment, write_results  # noqa: E402
@@ -33,6 +32,7 @@ def main(argv=None) -> int:
     from sparseforge.families import mlp_activations
     from sparseforge.sources import load_model
     from sparseforge.train.mixture import validation_windows
+    from sparseforge.train.objective import model_validation_loss
     from sparseforge.train.recipe import load_recipe
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -52,13 +52,13 @@ def main(argv=None) -> int:
     model, tokenizer, _ = load_model(args.ckpt, dtype="float32")
     dense_spec = args.dense or recorded_source(args.ckpt)
     dense, _, _ = load_model(dense_spec, dtype="float32")
-    model.eval(), dense.eval()
+    model.eval()
+    dense.eval()
     val = validation_windows(r.sources, tokenizer, r.seq_len, r.val_every, args.tokens, r.data_root, r.token_cache)
-    windows = {name: torch.as_tensor(w) for name, w in val.items()}
 
     def measure(label: str, net) -> dict:
-        row = {"row": label, **{name: held_out_loss(net, w, args.batch_size) for name, w in windows.items()}}
-        row["mean"] = sum(row[name] for name in windows) / len(windows)
+        row = {"row": label, **model_validation_loss(net, val, torch.device("cpu"), args.batch_size)}
+        row["mean"] = sum(row[name] for name in val) / len(val)
         print(" ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
         return row
 
@@ -82,24 +82,12 @@ def main(argv=None) -> int:
     result = {
         "command": "python benchmarks/mlp_attribution.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "environment": environment(torch.get_num_threads()), "ckpt": args.ckpt, "dense": dense_spec,
-        "sources": list(windows), "tokens": {name: int(w.numel()) for name, w in windows.items()}, "rows": rows,
+        "sources": list(val), "tokens": {name: int(torch.as_tensor(w).numel()) for name, w in val.items()}, "rows": rows,
     }
     out = Path(args.out) if args.out else RESULTS / f"mlp-attribution-{Path(args.ckpt).resolve().parent.name}"
     write_results(out.name, result, table(result), out.parent)
     print(table(result))
     return 0
-
-
-@torch.inference_mode()
-def held_out_loss(model, windows: torch.Tensor, batch: int) -> float:
-    """Mean next-token cross-entropy (nats) of `model` over windows [n, S]."""
-    total, count = 0.0, 0
-    for i in range(0, len(windows), batch):
-        ids = windows[i : i + batch]
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"))
-        count += ids[:, 1:].numel()
-    return total / count
 
 
 def table(r: dict) -> str:

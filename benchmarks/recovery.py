@@ -126,11 +126,10 @@ def score_model(model, tokenizer, score: dict, task_dir: Path, batch: int = 8) -
     """lm-eval scores {task: {metric: value}} of an in-memory model, each task at its own document limit."""
     from sparseforge.eval.harness import hf_lm, run_tasks, scores
 
-    lm = hf_lm(model, tokenizer, batch_size=batch)
-    one = hf_lm(model, tokenizer, batch_size=1)
     out = {}
     for task, limit in score.items():
-        results = run_tasks(one if task in WHOLE_CONTEXT else lm, [f"sf_{task}"], task_dir, limit=limit)
+        lm = hf_lm(model, tokenizer, batch_size=1 if task in WHOLE_CONTEXT else batch)
+        results = run_tasks(lm, [f"sf_{task}"], task_dir, limit=limit)
         out[task] = {s.metric: s.value for s in scores(results)} | {"n": limit, "seconds": results["wall_seconds"]}
     return out
 

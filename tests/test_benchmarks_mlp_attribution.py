@@ -1,6 +1,6 @@
 """benchmarks/mlp_attribution.py: per-layer swap-back losses of a thresholded dReLU checkpoint against its dense
 original, on the tiny workspace. Conversion changes only the MLPs, so every MLP swapped back must give the original's
-loss exactly, and a layer's swap must land between the checkpoint and that."""
+loss exactly, and each layer's swap must change the loss."""
 
 import json
 

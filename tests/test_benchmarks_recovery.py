@@ -141,3 +141,21 @@ def test_a_run_folder_counts_as_trained_only_for_the_key_it_was_trained_for(tmp_
     assert not rec._trained(recipe, tmp_path / "checkpoint", "k2")  # e.g. its start row has changed since
     assert not rec._trained(load_recipe("recipes/smollm2-135m-quickstart.yaml", [f"output_dir={tmp_path}", "lr=1e-4"]),
                             tmp_path / "checkpoint", "k1")
+
+
+def test_wikitext_is_scored_one_window_at_a_time_and_the_others_at_the_batch(tmp_path, monkeypatch):
+    import sparseforge.eval.harness as harness
+
+    rec = load_script("recovery")
+    batches = {}
+    monkeypatch.setattr(harness, "hf_lm", lambda model, tokenizer, batch_size: batch_size)
+    monkeypatch.setattr(harness, "scores", lambda results: [])
+
+    def run_tasks(lm, tasks, task_dir, limit):
+        batches[tasks[0]] = lm
+        return {"wall_seconds": 0.0}
+
+    monkeypatch.setattr(harness, "run_tasks", run_tasks)
+    out = rec.score_model(None, None, {"piqa": 10, "wikitext": 2, "arc_easy": 10}, tmp_path, batch=8)
+    assert batches == {"sf_piqa": 8, "sf_wikitext": 1, "sf_arc_easy": 8}
+    assert out["wikitext"] == {"n": 2, "seconds": 0.0}
