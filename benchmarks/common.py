@@ -72,6 +72,7 @@ def environment(threads: int) -> dict:
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "machine": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "cpus": os.cpu_count(),
         "threads": threads,
         "loadavg_start": os.getloadavg(),
@@ -80,6 +81,17 @@ def environment(threads: int) -> dict:
         "python": platform.python_version(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name, with "AMX" appended where it multiplies bf16 in hardware (Linux; None elsewhere)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), None)
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    return None if name is None else name + (" (AMX)" if "amx_bf16" in flags else "")
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:

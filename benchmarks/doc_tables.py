@@ -49,7 +49,7 @@ def result_table(path: Path, root: Path = ROOT) -> str:
     text = path.read_text().rstrip("\n")
     js = path.with_suffix(".json")
     env = json.loads(js.read_text()).get("environment", {}) if js.is_file() else {}
-    machine = ", ".join(x for x in (env.get("machine"), f"{env['cpus']} CPUs" if env.get("cpus") else None, env.get("gpu"),
+    machine = ", ".join(x for x in (env.get("cpu") or env.get("machine"), f"{env['cpus']} CPUs" if env.get("cpus") else None, env.get("gpu"),
                                     f"torch {env['torch']}" if env.get("torch") else None) if x)
 
     def run_line(m: re.Match) -> str:

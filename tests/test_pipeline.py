@@ -5,6 +5,7 @@ import json
 
 import pytest
 import yaml
+from scripts import load_script
 from tiny import tiny_recipe
 
 from sparseforge.cli import main
@@ -77,6 +78,16 @@ def test_pipeline_end_to_end_skip_and_resume(workspace, tmp_path, one_thread, ca
         assert (ckpt / plot).stat().st_size > 0
     card = (ckpt / "README.md").read_text()
     assert "trust_remote_code=True" in card and "sparseforge generate" in card
+
+    # benchmarks/pipeline_time.py reads the run's own files: every finished stage, and the training stage's parts
+    timing = load_script("pipeline_time")
+    spent = timing.read_run(tmp_path / "run")
+    assert [s["stage"] for s in spent["stages"]] == [n for n in STAGE_NAMES if n in json.loads((tmp_path / "run" / "pipeline.json").read_text())["stages"]]
+    train, parts = next(s["seconds"] for s in spent["stages"] if s["stage"] == "train"), spent["train"]
+    assert parts["steps"] == 2 and parts["layerwise_seconds"] > 0 and parts["steps_seconds"] > 0
+    assert parts["layerwise_seconds"] + parts["threshold_seconds"] + parts["steps_seconds"] <= train + 0.05
+    shown = timing.table(spent)
+    assert "| · 2 end-to-end steps |" in shown and f"| **all stages** | {sum(s['seconds'] for s in spent['stages']) / 60:.1f} |" in shown
 
     # nothing changed: every stage is skipped, also with the training data gone; a changed checkpoint re-runs what reads it
     (workspace / "data").rename(workspace / "data-moved")

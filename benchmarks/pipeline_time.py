@@ -1,0 +1,79 @@
+"""Where the time of a `sparseforge run` went: each stage's wall time, and inside `train` the layer-wise stage,
+the thresholds, the end-to-end steps and the rest (tokenizing the corpus on a first run, loading, validation,
+saving). Nothing is timed here: every cell comes from the files the run wrote (RUN/pipeline.json: each stage's
+seconds; RUN/metrics.jsonl: the layer-wise and threshold records' seconds and each logged step's seconds).
+Run it on the machine that ran the pipeline, so that the results file names that machine.
+
+    sparseforge run recipes/smollm2-135m-quickstart.yaml
+    python benchmarks/pipeline_time.py runs/quickstart --out quickstart-time
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, environment, markdown_table, write_results  # noqa: E402
+
+from sparseforge.errors import SparseforgeError  # noqa: E402
+
+
+def read_run(run: Path) -> dict:
+    """{stages: [(name, seconds)], train: {layerwise, thresholds, steps, steps_seconds}} from a run directory."""
+    record, metrics = run / "pipeline.json", run / "metrics.jsonl"
+    if not record.is_file():
+        raise SparseforgeError(f"{record} does not exist; pass the output_dir of a finished `sparseforge run`")
+    stages = json.loads(record.read_text()).get("stages") or {}
+    if not stages:
+        raise SparseforgeError(f"{record} records no finished stage; let `sparseforge run` finish a stage first")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    layerwise = sum(r["seconds"] for r in rows if r.get("stage") == "layerwise")
+    thresholds = sum(r["seconds"] for r in rows if r.get("stage") == "threshold")
+    steps, step_seconds, last = 0, 0.0, 0
+    for r in rows:
+        if "step_seconds" in r and r["step"] > last:  # a resumed run logs from its resume step on
+            step_seconds += r["step_seconds"] * (r["step"] - last)
+            steps, last = r["step"], r["step"]
+    return {"stages": [{"stage": name, "seconds": rec["seconds"], "finished": rec.get("finished")} for name, rec in stages.items()],
+            "train": {"layerwise_seconds": layerwise, "threshold_seconds": thresholds, "steps": steps, "steps_seconds": step_seconds}}
+
+
+def table(data: dict) -> str:
+    rows = [{"part": s["stage"], "min": s["seconds"] / 60} for s in data["stages"]]
+    total = sum(s["seconds"] for s in data["stages"])
+    train = next((s["seconds"] for s in data["stages"] if s["stage"] == "train"), None)
+    t = data["train"]
+    if train is not None:
+        inner = t["layerwise_seconds"] + t["threshold_seconds"] + t["steps_seconds"]
+        i = next(i for i, r in enumerate(rows) if r["part"] == "train")
+        rows[i + 1:i + 1] = [{"part": "· stage 1 (layer-wise)", "min": t["layerwise_seconds"] / 60},
+                             {"part": "· thresholds", "min": t["threshold_seconds"] / 60},
+                             {"part": f"· {t['steps']} end-to-end steps", "min": t["steps_seconds"] / 60},
+                             {"part": "· the rest (tokenizing, loading, validation, saving)", "min": (train - inner) / 60}]
+    rows.append({"part": "**all stages**", "min": total / 60})
+    return markdown_table(rows, [("part", "stage", ""), ("min", "minutes", ".1f")])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", type=Path, help="output_dir of a `sparseforge run` (holds pipeline.json and metrics.jsonl)")
+    ap.add_argument("--out", required=True, help="results name: benchmarks/results/OUT.json and OUT.md")
+    ap.add_argument("--threads", type=int, default=None, help="threads the run used, for the record (default: torch's default here)")
+    args = ap.parse_args(argv)
+    import torch
+
+    try:
+        data = read_run(args.run)
+    except SparseforgeError as e:
+        raise SystemExit(f"error: {e}") from None
+    env = environment(args.threads or torch.get_num_threads())
+    cmd = "python benchmarks/pipeline_time.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    data = {"command": cmd, "environment": env, "run": str(args.run), **data}
+    note = "Wall time of each stage of one `sparseforge run` (`pipeline.json`); the training stage's parts from its `metrics.jsonl`."
+    js, md = write_results(args.out, data, table(data) + "\n\n" + note, RESULTS)
+    print((md.read_text()))
+
+
+if __name__ == "__main__":
+    main()
