@@ -84,14 +84,16 @@ def environment(threads: int) -> dict:
 
 
 def cpu_model() -> str | None:
-    """The CPU's model name, with "AMX" appended where it multiplies bf16 in hardware (Linux; None elsewhere)."""
+    """The CPU's model name (Linux; None elsewhere), with "(AMX)" where it multiplies bf16 natively, as
+    `mixed_precision: auto` decides (train/precision.py)."""
+    from sparseforge.train.precision import native_bf16
+
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
     name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), None)
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    return None if name is None else name + (" (AMX)" if "amx_bf16" in flags else "")
+    return None if name is None else name + (" (AMX)" if native_bf16("cpu") else "")
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:

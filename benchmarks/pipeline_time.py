@@ -9,7 +9,6 @@ Run it on the machine that ran the pipeline, so that the results file names that
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,23 +19,18 @@ from sparseforge.errors import SparseforgeError  # noqa: E402
 
 
 def read_run(run: Path) -> dict:
-    """{stages: [(name, seconds)], train: {layerwise, thresholds, steps, steps_seconds}} from a run directory."""
-    record, metrics = run / "pipeline.json", run / "metrics.jsonl"
-    if not record.is_file():
-        raise SparseforgeError(f"{record} does not exist; pass the output_dir of a finished `sparseforge run`")
-    stages = json.loads(record.read_text()).get("stages") or {}
+    """{stages: [{stage, seconds, finished}], train: train.metrics.training_seconds of its metrics.jsonl} of a run directory."""
+    from sparseforge.pipeline import Record
+    from sparseforge.train.metrics import read_metrics, training_seconds
+
+    path, metrics = run / "pipeline.json", run / "metrics.jsonl"
+    if not path.is_file():
+        raise SparseforgeError(f"{path} does not exist; pass the output_dir of a finished `sparseforge run`")
+    stages = Record(path).stages
     if not stages:
-        raise SparseforgeError(f"{record} records no finished stage; let `sparseforge run` finish a stage first")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
-    layerwise = sum(r["seconds"] for r in rows if r.get("stage") == "layerwise")
-    thresholds = sum(r["seconds"] for r in rows if r.get("stage") == "threshold")
-    steps, step_seconds, last = 0, 0.0, 0
-    for r in rows:
-        if "step_seconds" in r and r["step"] > last:  # a resumed run logs from its resume step on
-            step_seconds += r["step_seconds"] * (r["step"] - last)
-            steps, last = r["step"], r["step"]
+        raise SparseforgeError(f"{path} records no finished stage; let `sparseforge run` finish a stage first")
     return {"stages": [{"stage": name, "seconds": rec["seconds"], "finished": rec.get("finished")} for name, rec in stages.items()],
-            "train": {"layerwise_seconds": layerwise, "threshold_seconds": thresholds, "steps": steps, "steps_seconds": step_seconds}}
+            "train": training_seconds(read_metrics(metrics) if metrics.is_file() else [])}
 
 
 def table(data: dict) -> str:
@@ -59,7 +53,6 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", type=Path, help="output_dir of a `sparseforge run` (holds pipeline.json and metrics.jsonl)")
     ap.add_argument("--out", required=True, help="results name: benchmarks/results/OUT.json and OUT.md")
-    ap.add_argument("--threads", type=int, default=None, help="threads the run used, for the record (default: torch's default here)")
     args = ap.parse_args(argv)
     import torch
 
@@ -67,12 +60,11 @@ def main(argv: list[str] | None = None) -> None:
         data = read_run(args.run)
     except SparseforgeError as e:
         raise SystemExit(f"error: {e}") from None
-    env = environment(args.threads or torch.get_num_threads())
+    env = environment(torch.get_num_threads())  # the threads `sparseforge train` takes here (torch's default)
     cmd = "python benchmarks/pipeline_time.py " + " ".join(sys.argv[1:] if argv is None else argv)
     data = {"command": cmd, "environment": env, "run": str(args.run), **data}
     note = "Wall time of each stage of one `sparseforge run` (`pipeline.json`); the training stage's parts from its `metrics.jsonl`."
-    js, md = write_results(args.out, data, table(data) + "\n\n" + note, RESULTS)
-    print((md.read_text()))
+    print(write_results(args.out, data, table(data) + "\n\n" + note, RESULTS)[1].read_text())
 
 
 if __name__ == "__main__":

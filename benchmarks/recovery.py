@@ -41,8 +41,6 @@ MAIN_METRIC = {"lambada_openai": "acc", "piqa": "acc", "arc_easy": "acc", "arc_c
                "winogrande": "acc", "boolq": "acc", "mmlu": "acc", "wikitext": "word_perplexity"}
 
 
-WHOLE_CONTEXT = {"wikitext"}  # scored one window at a time: its windows fill the context (8,192 tokens), and a batch of 8 holds
-# [8, heads, 8192, 8192] float32 attention scores (19 GB for SmolLM2-135M)
 TRAINED_FOR = "trained-for.txt"  # in each row's run folder: the training key its checkpoint was trained for
 
 
@@ -122,13 +120,23 @@ def zero_fraction(model, val: dict, batch: int = 4) -> float:
     return float(counts[0] / counts[1])
 
 
+def _rolling(task: str) -> bool:
+    """Whether a task scores whole documents (loglikelihood_rolling: wikitext). lm-eval's HF backend cuts them into
+    windows that fill the model's context (8,192 tokens for SmolLM2), so they are scored one at a time: a batch of 8
+    would hold [8, heads, 8192, 8192] float32 attention scores (19 GB for SmolLM2-135M)."""
+    from sparseforge.eval.task_specs import TASKS
+
+    spec = TASKS.get(task)
+    return spec is not None and spec.config.get("output_type") == "loglikelihood_rolling"
+
+
 def score_model(model, tokenizer, score: dict, task_dir: Path, batch: int = 8) -> dict:
     """lm-eval scores {task: {metric: value}} of an in-memory model, each task at its own document limit."""
     from sparseforge.eval.harness import hf_lm, run_tasks, scores
 
     out = {}
     for task, limit in score.items():
-        lm = hf_lm(model, tokenizer, batch_size=1 if task in WHOLE_CONTEXT else batch)
+        lm = hf_lm(model, tokenizer, batch_size=1 if _rolling(task) else batch)
         results = run_tasks(lm, [f"sf_{task}"], task_dir, limit=limit)
         out[task] = {s.metric: s.value for s in scores(results)} | {"n": limit, "seconds": results["wall_seconds"]}
     return out
@@ -149,6 +157,7 @@ def main(argv=None) -> int:
     from sparseforge.eval.tasks import write_task_dir
     from sparseforge.sources import load_model
     from sparseforge.train.loop import train
+    from sparseforge.train.metrics import read_metrics, training_seconds
     from sparseforge.train.recipe import load_recipe
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -208,18 +217,15 @@ def main(argv=None) -> int:
             shutil.rmtree(recipe.output_dir, ignore_errors=True)
             train(recipe, progress=False)
             atomic_write_text(Path(recipe.output_dir) / TRAINED_FOR, train_key + "\n")
-        metrics = [json.loads(line) for line in (Path(recipe.output_dir) / "metrics.jsonl").read_text().splitlines()]
+        metrics = read_metrics(Path(recipe.output_dir) / "metrics.jsonl")
+        spent = training_seconds(metrics)  # training compute: stage 1 plus the optimizer steps
         layerwise = next((m for m in metrics if m.get("stage") == "layerwise"), None)
-        # training compute: stage 1 plus the optimizer steps (model loading, validation and saves excluded)
-        steps = [m for m in metrics if "step_seconds" in m]
-        seconds = (layerwise["seconds"] if layerwise else 0.0) + sum(
-            m["step_seconds"] * (m["step"] - prev) for m, prev in zip(steps, [0] + [m["step"] for m in steps]))
         start = next((m["val_loss"] for m in metrics if m.get("step") == 0 and "val_loss" in m and "reference" not in m), None)
         model = load_sparse(ckpt).to(device)
         tokenizer = load_model(str(ckpt))[1]
         entry = (None if retrained else _resume(done.get(row["name"]), key)) or {
             "name": row["name"], "key": key, "command": result["command"], "set": row.get("set", []), "start": row.get("start"),
-            "train_seconds": seconds, "layerwise_seconds": layerwise["seconds"] if layerwise else 0.0,
+            "train_seconds": spent["layerwise_seconds"] + spent["steps_seconds"], "layerwise_seconds": spent["layerwise_seconds"],
             "trained_tokens": model.config.sparsity.get("trained_tokens", 0),
             "layerwise_tokens": model.config.sparsity.get("layerwise_tokens", 0),
             # validation loss after stage 1, and where the end-to-end steps start (after thresholds)

@@ -82,6 +82,7 @@ def peak(device: torch.device, precision: str, threads: int) -> tuple[float, str
 def main(argv=None) -> int:
     from sparseforge.cli_options import add_recipe_options
     from sparseforge.train.loop import train
+    from sparseforge.train.metrics import read_metrics
     from sparseforge.train.recipe import load_recipe
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
         recipe = load_recipe(args.config, args.overrides + fixed)
         with profiler(args.profile) as prof:
             train(recipe, progress=False)
-        lines = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+        lines = read_metrics(Path(tmp) / "run" / "metrics.jsonl")
         start = next(line for line in lines if line.get("event") == "start")
         steps = [line for line in lines if "step_seconds" in line]
         from sparseforge.checkpoint import load_sparse

@@ -30,27 +30,29 @@ from common import RESULTS, environment, markdown_table, write_results  # noqa: 
 ROOT = Path(__file__).resolve().parents[1]
 
 from sparseforge.errors import SparseforgeError  # noqa: E402
+from sparseforge.pipeline import Record  # noqa: E402
+from sparseforge.train.metrics import read_metrics  # noqa: E402
 from sparseforge.train.recipe import load_recipe  # noqa: E402
 
 
-def _read(path: Path) -> str:
+def _need(path: Path) -> Path:
     if not path.is_file():
         raise SparseforgeError(f"{path} does not exist; pass a run directory of `sparseforge run` and a checkpoint `sparseforge eval` scored")
-    return path.read_text()
+    return path
 
 
 def load_row(name: str, run: Path, ev: Path) -> dict:
     """One row's sources: the recipe, the last validation loss, the scorecard's predictors eval, the eval."""
     recipe = {k: _in_repo(v) for k, v in load_recipe(run / "recipe.yaml").to_dict().items()}  # a key newer than the run: its default
-    metrics = [json.loads(line) for line in _read(run / "metrics.jsonl").splitlines()]
+    metrics = read_metrics(_need(run / "metrics.jsonl"))
     val = [r for r in metrics if "val_loss" in r and "reference" not in r]
     teacher = [r["val_loss"] for r in metrics if r.get("reference") == "dense teacher"]
     steps = [r for r in metrics if "mlp_zero_fraction" in r]
-    card_path, pipeline_path = run / "checkpoint" / "scorecard.json", run / "pipeline.json"
+    card_path = run / "checkpoint" / "scorecard.json"
     card = json.loads(card_path.read_text()) if card_path.is_file() else {}
     held_out = (card.get("predictors") or {}).get("eval") or _predictors_eval(run / "checkpoint")
-    train = (json.loads(pipeline_path.read_text())["stages"].get("train") or {}) if pipeline_path.is_file() else {}
-    evaluation = json.loads(_read(ev / "eval.json"))
+    train = Record(run / "pipeline.json").stages.get("train") or {}
+    evaluation = json.loads(_need(ev / "eval.json").read_text())
     if "oracle" not in evaluation.get("configs", {}):
         raise SparseforgeError(f"{ev / 'eval.json'} has no oracle row; score it with `sparseforge eval {ev} --configs oracle`")
     return {"name": name, "run": _in_repo(str(run)), "eval": _in_repo(str(ev)), "recipe": recipe, "val_loss": val[-1]["val_loss"] if val else None,

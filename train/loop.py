@@ -38,6 +38,7 @@ from sparseforge.sparsify.convert import convert_model, model_card
 from sparseforge.sparsify.threshold import THRESHOLDS_FILE_VERSION
 from sparseforge.train.hooks import ActivationHooks
 from sparseforge.train.layerwise import LayerwiseSettings, distill_layerwise
+from sparseforge.train.metrics import MetricsLog
 from sparseforge.train.mixture import build_mixture, validation_windows
 from sparseforge.train.objective import LayerTap, Objective, model_validation_loss, teacher_outputs, validation_loss
 from sparseforge.train.precision import device_settings, resolve_mixed_precision
@@ -72,32 +73,6 @@ def _models(r: Recipe):
     teacher = load_model(r.teacher, dtype="float32")[0] if r.teacher else (copy.deepcopy(model) if needs_teacher else None)
     thresholds = [r.threshold] * model.config.num_hidden_layers if r.threshold is not None else None
     return convert_model(model, r.activation, thresholds, source=r.model), tokenizer, teacher
-
-
-class MetricsLog:
-    """Append-only JSON Lines (main process only). A fresh run starts it empty (dropping what an attempt
-    that never saved a state wrote); a resumed run keeps the lines up to the resumed step (and drops a line
-    an interrupted write left incomplete)."""
-
-    def __init__(self, path: Path, enabled: bool, resume_step: int | None):
-        self.path, self.enabled = path, enabled
-        if enabled and path.exists():
-            lines = path.read_text(errors="replace").splitlines() if resume_step is not None else []
-            kept = [line for line in lines if (r := _record(line)) is not None and r.get("step", 0) <= resume_step]
-            atomic_write_text(path, "".join(line + "\n" for line in kept))
-
-    def write(self, record: dict) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-
-def _record(line: str) -> dict | None:
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None
 
 
 def _state_problem(state: Path) -> str | None:
