@@ -52,7 +52,7 @@ def table(data: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", type=Path, help="output_dir of a `sparseforge run` (holds pipeline.json and metrics.jsonl)")
-    ap.add_argument("--out", required=True, help="results name: benchmarks/results/OUT.json and OUT.md")
+    ap.add_argument("--out", required=True, help="results name under benchmarks/results (writes OUT.json and OUT.md); an absolute path writes PATH.{json,md}")
     args = ap.parse_args(argv)
     import torch
 
