@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_CKPT, markdown_table, median, setup, write_results  # noqa: E402
+from common import DEFAULT_CKPT, markdown_table, median, OUT_HELP, setup, write_results  # noqa: E402
 
 from sparseforge.data import pretrain_prompt  # noqa: E402
 from sparseforge.runtime.weights import WEIGHT_DTYPES  # noqa: E402
@@ -138,7 +138,7 @@ def main() -> None:
                    help="dtype of the engines' predictors, and of the plans' reserve for them (default: --dtype)")
     p.add_argument("--context", type=int, default=2048, help="context the plans reserve KV cache for")
     p.add_argument("--reps", type=int, default=3, help="repetitions (engines alternate inside each)")
-    p.add_argument("--out", default=None, help="results name (default budget-t<threads>, budget-<dtype>-t<threads> for other dtypes)")
+    p.add_argument("--out", default=None, help=f"{OUT_HELP} (default budget-t<threads>, budget-<dtype>-t<threads> for other dtypes)")
     args = p.parse_args()
     env, bandwidth = setup(args.threads)
     ckpt = Path(args.ckpt)

@@ -108,13 +108,22 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str
     return "\n".join(lines)
 
 
-def write_results(name: str, data: dict, table: str, out_dir: Path = RESULTS) -> tuple[Path, Path]:
-    """Write out_dir/name.json (data) and out_dir/name.md (the table and the run's settings), atomically."""
+OUT_HELP = "results name: writes benchmarks/results/NAME.json and NAME.md; a path with a '/' writes PATH.json and PATH.md"
+
+
+def results_path(out: str) -> Path:
+    """Where a benchmark's --out goes, without suffix: a bare name under benchmarks/results, a path (with a '/') as given."""
+    return Path(out) if "/" in out else RESULTS / out
+
+
+def write_results(out: str, data: dict, table: str) -> tuple[Path, Path]:
+    """Write OUT.json (data) and OUT.md (the table and the run's settings) atomically, OUT as results_path says."""
     from sparseforge.atomic import atomic_write_text
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    base = results_path(out)
+    base.parent.mkdir(parents=True, exist_ok=True)
     data = {**data, "loadavg_end": os.getloadavg()}
-    js, md = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    js, md = base.parent / f"{base.name}.json", base.parent / f"{base.name}.md"
     atomic_write_text(js, json.dumps(data, indent=1) + "\n")
     env = data["environment"]
     load = ", ".join(f"{x:.1f}" for x in env["loadavg_start"]) + " → " + ", ".join(f"{x:.1f}" for x in data["loadavg_end"])

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, environment, write_results  # noqa: E402
+from common import OUT_HELP, environment, write_results  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--zeros", type=float, default=0.85, help="the threshold's target fraction of exact zeros (default: 0.85)")
     p.add_argument("--ranks", default="32,128", help="comma-separated ranks of the dense linear path (default: 32,128)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--out", default=None, help="result path without suffix (default benchmarks/results/conversion-loss-<model>)")
+    p.add_argument("--out", default=None, help=f"{OUT_HELP} (default conversion-loss-<model>)")
     args = p.parse_args(argv)
     try:
         ranks = [int(r) for r in args.ranks.split(",") if r]
@@ -74,8 +74,7 @@ def main(argv=None) -> int:
         "environment": environment(torch.get_num_threads()), "model": spec, "zeros": args.zeros, "ranks": ranks,
         "fit_tokens": int(fit.numel()), "heldout_tokens": int(heldout.numel()), "rows": rows,
     }
-    out = Path(args.out) if args.out else RESULTS / f"conversion-loss-{Path(str(spec)).name}"
-    write_results(out.name, result, table(result), out.parent)
+    write_results(args.out or f"conversion-loss-{Path(str(spec)).name}", result, table(result))
     print(table(result))
     return 0
 

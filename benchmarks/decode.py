@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_CKPT, bytes_bound, markdown_table, median, mlp_bytes, setup, time_stream, write_results  # noqa: E402
+from common import DEFAULT_CKPT, bytes_bound, markdown_table, median, mlp_bytes, setup, OUT_HELP, time_stream, write_results  # noqa: E402
 from gguf_export import cached_gguf, original_smollm2_gguf  # noqa: E402
 
 from sparseforge.data import pretrain_prompt  # noqa: E402
@@ -323,7 +323,7 @@ def main() -> None:
     p.add_argument("--powerinfer", default=None, metavar="BIN", help="PowerInfer's main binary (docs/benchmarks.md); without it the PowerInfer rows are skipped")
     p.add_argument("--powerinfer-gguf", nargs="+", default=[], metavar="LABEL=PATH",
                    help=f"PowerInfer GGUFs of this checkpoint, LABEL its type ({', '.join(POWERINFER_TYPES)}): one row each in the block of that precision")  # fmt: skip
-    p.add_argument("--out", default=None, help="results name under benchmarks/results (default decode-t<threads>); an absolute path writes PATH.{json,md}")
+    p.add_argument("--out", default=None, help=f"{OUT_HELP} (default decode-t<threads>)")
     args = p.parse_args()
     try:
         run(args)

@@ -34,7 +34,7 @@ from unittest.mock import patch
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_CKPT, markdown_table, median, setup, time_stream, write_results  # noqa: E402
+from common import DEFAULT_CKPT, markdown_table, median, setup, OUT_HELP, time_stream, write_results  # noqa: E402
 from scale import SHAPES, build_checkpoint, with_sparsity  # noqa: E402
 
 T0 = time.perf_counter()  # progress lines carry the seconds since the start
@@ -190,7 +190,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=16, help="random prompt length")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens per run")
     p.add_argument("--reps", type=int, default=3, help="repetitions (engines alternate inside each)")
-    p.add_argument("--out", default=None, help="results name (default hybrid-<device>-<models>-t<threads>)")
+    p.add_argument("--out", default=None, help=f"{OUT_HELP} (default hybrid-<device>-<models>-t<threads>)")
     args = p.parse_args()
     from sparseforge.runtime.hybrid import resolve_device
 

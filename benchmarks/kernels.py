@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_CKPT, markdown_table, median, setup, write_results  # noqa: E402
+from common import DEFAULT_CKPT, markdown_table, median, OUT_HELP, setup, write_results  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
 
@@ -120,7 +120,7 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["dense", "oracle", "sparse"], help="engine modes for the breakdown")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="weight dtypes")
     p.add_argument("--full-head", action="store_true", help="greedy steps read the whole lm_head (no int8 screen)")
-    p.add_argument("--out", default=None, help="results name (default kernels-t<threads>)")
+    p.add_argument("--out", default=None, help=f"{OUT_HELP} (default kernels-t<threads>)")
     args = p.parse_args()
     from sparseforge.runtime import kernels
 

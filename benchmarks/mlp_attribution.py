@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, environment, write_results  # noqa: E402
+from common import OUT_HELP, environment, write_results  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=2048, help="held-out tokens per source, in whole windows (default: 2048)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per forward (default: 4)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--out", default=None, help="result path without suffix (default benchmarks/results/mlp-attribution-<run folder>)")
+    p.add_argument("--out", default=None, help=f"{OUT_HELP} (default mlp-attribution-<run folder>)")
     args = p.parse_args(argv)
     if args.tokens <= 0 or args.batch_size <= 0:
         p.error(f"--tokens {args.tokens} / --batch-size {args.batch_size}: give positive integers, e.g. --tokens 2048 --batch-size 4")
@@ -84,8 +84,7 @@ def main(argv=None) -> int:
         "environment": environment(torch.get_num_threads()), "ckpt": args.ckpt, "dense": dense_spec,
         "sources": list(val), "tokens": {name: int(torch.as_tensor(w).numel()) for name, w in val.items()}, "rows": rows,
     }
-    out = Path(args.out) if args.out else RESULTS / f"mlp-attribution-{Path(args.ckpt).resolve().parent.name}"
-    write_results(out.name, result, table(result), out.parent)
+    write_results(args.out or f"mlp-attribution-{Path(args.ckpt).resolve().parent.name}", result, table(result))
     print(table(result))
     return 0
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, environment, markdown_table, write_results  # noqa: E402
+from common import OUT_HELP, environment, markdown_table, write_results  # noqa: E402
 
 from sparseforge.errors import SparseforgeError  # noqa: E402
 
@@ -52,7 +52,7 @@ def table(data: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", type=Path, help="output_dir of a `sparseforge run` (holds pipeline.json and metrics.jsonl)")
-    ap.add_argument("--out", required=True, help="results name under benchmarks/results (writes OUT.json and OUT.md); an absolute path writes PATH.{json,md}")
+    ap.add_argument("--out", required=True, help=OUT_HELP)
     args = ap.parse_args(argv)
     import torch
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     cmd = "python benchmarks/pipeline_time.py " + " ".join(sys.argv[1:] if argv is None else argv)
     data = {"command": cmd, "environment": env, "run": str(args.run), **data}
     note = "Wall time of each stage of one `sparseforge run` (`pipeline.json`); the training stage's parts from its `metrics.jsonl`."
-    print(write_results(args.out, data, table(data) + "\n\n" + note, RESULTS)[1].read_text())
+    print(write_results(args.out, data, table(data) + "\n\n" + note)[1].read_text())
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, environment, markdown_table, write_results  # noqa: E402
+from common import OUT_HELP, environment, markdown_table, results_path, write_results  # noqa: E402
 from recall_curve import scratch_view  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,8 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window")
     p.add_argument("--data", nargs="+", default=None, help="text files or globs (default: the pretraining samples under the data root)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    p.add_argument("--out", default="predictor-tokens", help="results file name")
-    p.add_argument("--results-dir", default=str(RESULTS), help="where the results files go")
+    p.add_argument("--out", default="predictor-tokens", help=f"{OUT_HELP}; a finished row of it is kept unless --fresh")
     p.add_argument("--work", default=str(ROOT / "runs" / "predictor-tokens"), help="where the scratch views go")
     p.add_argument("--fresh", action="store_true", help="train every variant again, even those already in the results file")
     args = p.parse_args(argv)
@@ -93,7 +92,7 @@ def main(argv=None) -> int:
     settings = {"checkpoint": str(ckpt.resolve()), "target_recall": args.target_recall, "heldout_tokens": args.heldout_tokens,
                 "eval_tokens": args.eval_tokens, "skip_tokens": skip, "max_epochs": args.max_epochs, "seq_len": args.seq_len,
                 "data": args.data, "threads": args.threads}  # fmt: skip
-    path = Path(args.results_dir) / f"{args.out}.json"
+    path = Path(f"{results_path(args.out)}.json")
     old = json.loads(path.read_text()) if path.is_file() and not args.fresh else {}
     done = {(r["tokens"], r["budget"]): r for r in old.get("rows", [])} if old.get("settings") == settings else {}
     env = environment(args.threads)
@@ -101,7 +100,7 @@ def main(argv=None) -> int:
     for t in tokens:
         for b in budgets:
             if (t, b) not in done:
-                done[(t, b)] = {**run_variant(ckpt, Path(args.work) / args.out / f"t{t}-b{b:g}", t, b, args, skip), "command": command}
+                done[(t, b)] = {**run_variant(ckpt, Path(args.work) / results_path(args.out).name / f"t{t}-b{b:g}", t, b, args, skip), "command": command}
             row = done[(t, b)]
             print(f"{t} tokens, budget {b:g}: {row['predicted']:.1%} predicted active at fresh recall {row['recall']:.4f}, "
                   f"trained in {row['train_min']:.1f} min", flush=True)  # fmt: skip
@@ -112,7 +111,7 @@ def main(argv=None) -> int:
                                              f"(exact-mask perplexity {min(exact):.3f}). The knee: `predictors calibrate`, the fewest neurons within "
                                              "0.5 % of the exact mask's perplexity on the tokens after the variant's held-out ones.")  # fmt: skip
     commands = list(dict.fromkeys(r["command"] for r in rows))
-    write_results(args.out, {"command": "; ".join(commands), "environment": env, "settings": settings, "rows": rows}, table, Path(args.results_dir))
+    write_results(args.out, {"command": "; ".join(commands), "environment": env, "settings": settings, "rows": rows}, table)
     print(table)
     return 0
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, environment, markdown_table, write_results  # noqa: E402
+from common import OUT_HELP, environment, markdown_table, results_path, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,13 +57,12 @@ def main(argv=None) -> int:
     p.add_argument("--tasks", default=None, help="lm-eval tasks scored through the sparse runtime at every target (none: perplexity only)")
     p.add_argument("--limit", type=int, default=100, help="documents per task")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    p.add_argument("--out", default="recall-curve", help="results file name")
-    p.add_argument("--results-dir", default=str(RESULTS), help="where the results files go")
+    p.add_argument("--out", default="recall-curve", help=OUT_HELP)
     p.add_argument("--work", default=str(ROOT / "runs" / "recall-curve"), help="where the scratch view of the checkpoint goes")
     args = p.parse_args(argv)
     env = environment(args.threads)
     ckpt = Path(args.ckpt)
-    view = scratch_view(ckpt, Path(args.work) / args.out)
+    view = scratch_view(ckpt, Path(args.work) / results_path(args.out).name)
     recalls = tuple(sorted(float(r) for r in args.recalls.split(",")))
     tasks = args.tasks.split(",") if args.tasks else []
     curve = calibrate(str(view), None, recalls=recalls, max_ppl_increase=args.max_ppl_increase, threads=args.threads, progress=False)["curve"]
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
                                              + (f"; exact-mask accuracy {exact['mean']:.3f}." if exact else "."))
     command = "python benchmarks/recall_curve.py " + " ".join(argv if argv is not None else sys.argv[1:])
     write_results(args.out, {"command": command, "environment": env, "checkpoint": str(ckpt), "exact_accuracy": exact, "rows": rows,
-                             "knee": curve}, table, Path(args.results_dir))  # fmt: skip
+                             "knee": curve}, table)  # fmt: skip
     print(table)
     return 0
 

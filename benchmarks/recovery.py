@@ -220,6 +220,7 @@ def main(argv=None) -> int:
         metrics = read_metrics(Path(recipe.output_dir) / "metrics.jsonl")
         spent = training_seconds(metrics)  # training compute: stage 1 plus the optimizer steps
         layerwise = next((m for m in metrics if m.get("stage") == "layerwise"), None)
+        thresholds = next((m for m in metrics if m.get("stage") == "threshold"), None)
         start = next((m["val_loss"] for m in metrics if m.get("step") == 0 and "val_loss" in m and "reference" not in m), None)
         model = load_sparse(ckpt).to(device)
         tokenizer = load_model(str(ckpt))[1]
@@ -230,6 +231,8 @@ def main(argv=None) -> int:
             "layerwise_tokens": model.config.sparsity.get("layerwise_tokens", 0),
             # validation loss after stage 1, and where the end-to-end steps start (after thresholds)
             "val_loss_after_stage1": layerwise["val_loss_after"] if layerwise else None, "val_loss_start": start,
+            # the MLP zeros with every threshold at 0, as the run's threshold stage measured them before setting its own
+            "zeros_before_thresholds": thresholds["zero_fraction_before"] if thresholds else None,
             **validation(recipe, tokenizer, model, val_batch)}  # fmt: skip
         _score_row(entry, result, model, tokenizer, spec["score"], task_dir, batch, write)
         del model

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, median, setup, time_stream, write_results  # noqa: E402
+from common import markdown_table, median, setup, OUT_HELP, time_stream, write_results  # noqa: E402
 
 SHAPES = {  # Llama-family shapes: SmolLM2-135M, Llama-3.2-1B, Llama-3.2-3B, Qwen2.5-3B (tied embeddings)
     "135M": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152),
@@ -146,7 +146,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3, help="repetitions per engine")
     p.add_argument("--work-dir", default="runs/bench/scale", help="where the random checkpoints are written (kept for reruns)")
     p.add_argument("--tokenizer", default="smollm2-135m", help="the tokenizer the random checkpoints carry (any model spec or folder)")
-    p.add_argument("--out", default=None, help="results name (default scale-t<threads>)")
+    p.add_argument("--out", default=None, help=f"{OUT_HELP} (default scale-t<threads>)")
     args = p.parse_args()
     env, bandwidth = setup(args.threads)
     work = Path(args.work_dir)

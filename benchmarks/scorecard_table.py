@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, environment, markdown_table, write_results  # noqa: E402
+from common import OUT_HELP, environment, markdown_table, write_results  # noqa: E402
 
 from sparseforge.eval.scorecard import speed_mode  # noqa: E402
 
@@ -50,7 +50,7 @@ def rows(card: dict) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("ckpt", type=Path, help="a checkpoint with scorecard.json (sparseforge scorecard)")
-    p.add_argument("--out", required=True, help="results name: writes benchmarks/results/NAME.{json,md}")
+    p.add_argument("--out", required=True, help=OUT_HELP)
     args = p.parse_args(argv)
     card = json.loads((args.ckpt / "scorecard.json").read_text())
     settings = (card.get("speed") or {}).get("settings", {})
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
              "the original's speed is the engine's dense mode, which reads every weight the original reads.")
     data = {"command": "python " + " ".join(["benchmarks/scorecard_table.py", *(argv if argv is not None else sys.argv[1:])]),
             "environment": environment(settings.get("threads") or 1), "checkpoint": str(args.ckpt), "scorecard": card}
-    write_results(args.out, data, table + "\n\n" + notes, RESULTS)
+    write_results(args.out, data, table + "\n\n" + notes)
     print(table)
     return 0
 

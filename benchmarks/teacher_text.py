@@ -11,7 +11,6 @@ Writes benchmarks/results/teacher-text-<device>.json (+ .md). Tests never assert
 """
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, environment  # noqa: E402
+from common import OUT_HELP, environment, write_results  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -34,7 +33,7 @@ def main(argv=None) -> int:
     add_recipe_options(p)
     p.add_argument("--batches", default="32,64,128", help="comma-separated sampling batch sizes (default: 32,64,128)")
     p.add_argument("--threads", type=int, default=None, help="torch threads on a CPU (default: torch's choice)")
-    p.add_argument("--out", default=None, help="result path without suffix (default benchmarks/results/teacher-text-<device>)")
+    p.add_argument("--out", default=None, help=f"{OUT_HELP} (default teacher-text-<device>)")
     args = p.parse_args(argv)
     try:
         batches = [int(b) for b in args.batches.split(",")]
@@ -67,10 +66,7 @@ def main(argv=None) -> int:
         "source": name, "seq_len": r.seq_len, "prompt_tokens": settings["prompt_tokens"], "temperature": settings["temperature"],
         "rows": rows,
     }
-    out = Path(args.out) if args.out else RESULTS / f"teacher-text-{device.type}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(table(result))
+    write_results(args.out or f"teacher-text-{device.type}", result, table(result))
     print(table(result))
     return 0
 
@@ -81,7 +77,7 @@ def table(r: dict) -> str:
     lines += [f"| {env.get('gpu') or env['device']} | {x['batch']} | {x['tokens']:,} | {x['seconds']:.1f} | {x['tokens_per_s']:,.0f} |"
               for x in r["rows"]]
     return ("\n".join(lines) + f"\n\nseq_len {r['seq_len']}, prompts of {r['prompt_tokens']} real tokens, temperature "
-            f"{r['temperature']}. Command: `{r['command']}`\n")
+            f"{r['temperature']}.")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Writes benchmarks/results/train-throughput-<device>.json (+ .md). Tests never as
 """
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, environment  # noqa: E402
+from common import OUT_HELP, environment, results_path, write_results  # noqa: E402
 
 # dense tensor-core peaks (FLOP/s) from NVIDIA's datasheets, by device-name fragment and precision
 GPU_PEAKS = {
@@ -90,7 +89,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--threads", type=int, default=None, help="torch threads on a CPU (default: torch's choice)")
-    p.add_argument("--out", default=None, help="result path without suffix (default benchmarks/results/train-throughput-<device>)")
+    p.add_argument("--out", default=None, help=f"{OUT_HELP} (default train-throughput-<device>; --profile adds OUT-profile.md)")
     p.add_argument("--profile", action="store_true", help="also run torch.profiler over the whole run and write the ops that take "
                    "the device's time to <out>-profile.md (slows the steps: time without it)")
     args = p.parse_args(argv)
@@ -131,13 +130,11 @@ def main(argv=None) -> int:
         "mfu": tokens_per_s * flops["total"] / peak_flops,
         "final_loss": steps[-1]["loss"],
     }
-    out = Path(args.out) if args.out else RESULTS / f"train-throughput-{device.type}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(table(result))
+    out = args.out or f"train-throughput-{device.type}"
+    write_results(out, result, table(result))
     print(table(result))
     if prof is not None:
-        out.with_name(out.name + "-profile.md").write_text(profile_table(prof, result))
+        Path(f"{results_path(out)}-profile.md").write_text(profile_table(prof, result))
     return 0
 
 
@@ -175,7 +172,7 @@ def table(r: dict) -> str:
         f"| {r['environment'].get('gpu') or r['environment']['device']} | {r['environment']['mixed_precision']} | {rec['seq_len']} | "
         f"{r['tokens_per_step']} | {'yes' if rec['distill_kl'] > 0 else 'no'} | {rec['trainable']} | {r['median_step_seconds']:.3f} | "
         f"{r['tokens_per_s']:,.0f} | {r['mfu']:.1%} |\n\n"
-        f"MFU against {r['peak_source']} ({r['peak_flops'] / 1e12:.1f} TFLOP/s). Command: `{r['command']}`\n"
+        f"MFU against {r['peak_source']} ({r['peak_flops'] / 1e12:.1f} TFLOP/s)."
     )
 
 

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, environment, markdown_table, write_results  # noqa: E402
+from common import OUT_HELP, environment, markdown_table, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--row", nargs=3, action="append", required=True, metavar=("NAME", "RUN", "EVAL"),
                    help="a variant: its name, its `sparseforge run` output_dir, and the checkpoint copy `sparseforge eval` scored")
-    p.add_argument("--out", required=True, help="results name: writes benchmarks/results/NAME.{json,md}")
+    p.add_argument("--out", required=True, help=OUT_HELP)
     args = p.parse_args(argv)
     try:
         rows = [load_row(n, Path(run), Path(ev)) for n, run, ev in args.row]
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
              "tokens; MLP zeros (last step): the last training step's batch.")
     data = {"command": "python " + " ".join(["benchmarks/variants_table.py", *(argv if argv is not None else sys.argv[1:])]),
             "environment": environment(1), "rows": rows}
-    write_results(args.out, data, table + "\n\n" + notes, RESULTS)
+    write_results(args.out, data, table + "\n\n" + notes)
     print(table)
     return 0
 

@@ -18,8 +18,8 @@ def test_predictor_tokens(tmp_path, one_thread, monkeypatch):
     before = sorted(p.name for p in ckpt.iterdir())
     results = tmp_path / "results"
     argv = ["--ckpt", str(ckpt), "--tokens", "512,1_024", "--budgets", "0.5", "--heldout-tokens", "256", "--eval-tokens", "256",
-            "--max-epochs", "1", "--seq-len", "32", "--data", str(data), "--threads", "1", "--out", "pt",
-            "--results-dir", str(results), "--work", str(tmp_path / "work")]  # fmt: skip
+            "--max-epochs", "1", "--seq-len", "32", "--data", str(data), "--threads", "1", "--out", str(results / "pt"),
+            "--work", str(tmp_path / "work")]  # fmt: skip
     script = load_script("predictor_tokens")
     assert script.main(argv) == 0
     out = json.loads((results / "pt.json").read_text())

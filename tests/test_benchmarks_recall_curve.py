@@ -18,8 +18,8 @@ def test_recall_curve(tmp_path, one_thread):
                  "--pilot-rank", "8", "--min-rank", "8", "--data", str(data), "--seq-len", "32", "--no-progress"]) == 0  # fmt: skip
     before = (ckpt / "predictors.json").read_text()
     results = tmp_path / "results"
-    assert load_script("recall_curve").main(["--ckpt", str(ckpt), "--recalls", "0.99,0.5", "--tasks", "piqa", "--limit", "4", "--threads", "1", "--out", "curve",
-                                             "--results-dir", str(results), "--work", str(tmp_path / "work")]) == 0  # fmt: skip
+    assert load_script("recall_curve").main(["--ckpt", str(ckpt), "--recalls", "0.99,0.5", "--tasks", "piqa", "--limit", "4", "--threads", "1", "--out", str(results / "curve"),
+                                             "--work", str(tmp_path / "work")]) == 0  # fmt: skip
     out = json.loads((results / "curve.json").read_text())
     rows = out["rows"]
     assert [r["target_recall"] for r in rows] == [0.5, 0.99]

@@ -36,11 +36,10 @@ def _run(tmp_path, name, init, ppl, accs, limit=400, original=None, card=True, s
 
 
 def test_rows_show_the_settings_that_differ_and_the_runs_numbers(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(variants, "RESULTS", tmp_path / "results")
     monkeypatch.setattr(variants, "ROOT", tmp_path)  # the runs lie inside the repository
     a = _run(tmp_path, "a", "lsq", 28.27, {"sf_piqa": 0.5, "sf_arc_easy": 0.4})
     b = _run(tmp_path, "b", "split", 24.74, {"sf_piqa": 0.6, "sf_arc_easy": 0.3})
-    assert variants.main(["--out", "v", "--row", "lsq", *a, "--row", "split", *b]) == 0
+    assert variants.main(["--out", str(tmp_path / "results" / "v"), "--row", "lsq", *a, "--row", "split", *b]) == 0
     md = (tmp_path / "results" / "v.md").read_text()
     assert "| lsq | layerwise_init=lsq | 4.500/3.500/2.500 | 10.0 | 86.0% | 28.27 | 85.0% | 0.500 | 0.400 | 0.450 | 50.00 |" in md
     assert "| split | layerwise_init=split | 4.500/3.500/2.500 | 10.0 | 86.0% | 24.74 | 85.0% | 0.600 | 0.300 | 0.450 | 50.00 |" in md
@@ -53,25 +52,23 @@ def test_rows_show_the_settings_that_differ_and_the_runs_numbers(tmp_path, monke
 
 
 def test_rows_scored_differently_or_missing_files_are_refused(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(variants, "RESULTS", tmp_path / "results")
     a = _run(tmp_path, "a", "lsq", 28.0, {"sf_piqa": 0.5})
     b = _run(tmp_path, "b", "split", 25.0, {"sf_piqa": 0.6}, limit=100)
-    assert variants.main(["--out", "v", "--row", "a", *a, "--row", "b", *b]) == 2
+    assert variants.main(["--out", str(tmp_path / "results" / "v"), "--row", "a", *a, "--row", "b", *b]) == 2
     assert "different tasks or limits" in capsys.readouterr().err
-    assert variants.main(["--out", "v", "--row", "a", *a, "--row", "c", str(tmp_path / "nope"), a[1]]) == 2
+    assert variants.main(["--out", str(tmp_path / "results" / "v"), "--row", "a", *a, "--row", "c", str(tmp_path / "nope"), a[1]]) == 2
     err = capsys.readouterr().err
     assert "nope/recipe.yaml" in err and "does not exist" in err
     assert not (tmp_path / "results").exists()
 
 
 def test_the_original_scored_beside_is_the_first_row_and_a_run_without_scorecard_has_no_perplexity(tmp_path, monkeypatch):
-    monkeypatch.setattr(variants, "RESULTS", tmp_path / "results")
     run, ev = _run(tmp_path, "a", "split", None, {"sf_piqa": 0.5, "sf_boolq": 0.6}, original={"sf_piqa": 0.7, "sf_boolq": 0.8}, card=False)
     report = json.loads((Path(ev) / "eval.json").read_text())  # wikitext at its own count (--limit 400,wikitext=10)
     report["limits"] = {"sf_piqa": 400, "sf_boolq": 400, "sf_wikitext": 10}
     report["rows"][-1]["n"] = 10
     (Path(ev) / "eval.json").write_text(json.dumps(report))
-    assert variants.main(["--out", "v", "--row", "cpu-full", run, ev]) == 0
+    assert variants.main(["--out", str(tmp_path / "results" / "v"), "--row", "cpu-full", run, ev]) == 0
     lines = (tmp_path / "results" / "v.md").read_text().splitlines()
     assert lines[0].endswith("| piqa acc (n=400) | boolq acc (n=400) | mean | wikitext word_perplexity (n=10) |")
     assert lines[2] == "| original | dense | 3.000/2.000/1.500 | — | — | — | — | 0.700 | 0.800 | 0.750 | 30.00 |"
@@ -79,12 +76,11 @@ def test_the_original_scored_beside_is_the_first_row_and_a_run_without_scorecard
 
 
 def test_a_run_scored_with_predicted_masks_gets_a_second_row(tmp_path, monkeypatch):
-    monkeypatch.setattr(variants, "RESULTS", tmp_path / "results")
     run, ev = _run(tmp_path, "a", "split", 24.0, {"sf_piqa": 0.5}, original={"sf_piqa": 0.7}, sparse={"sf_piqa": 0.45})
     card = Path(run) / "checkpoint" / "scorecard.json"
     held_out = {"oracle": {"perplexity": 24.0, "mean_zero_fraction": 0.85}, "predicted": {"perplexity": 25.5}, "overall": {"predicted_fraction": 0.4}}
     card.write_text(json.dumps({"predictors": {"eval": held_out}}))
-    assert variants.main(["--out", "v", "--row", "cpu-full", run, ev]) == 0
+    assert variants.main(["--out", str(tmp_path / "results" / "v"), "--row", "cpu-full", run, ev]) == 0
     lines = (tmp_path / "results" / "v.md").read_text().splitlines()
     assert "| held-out perplexity | MLP zeros | predicted active | piqa acc (n=400) |" in lines[0]
     assert lines[2].startswith("| original | dense |") and lines[3].startswith("| cpu-full |  |")
@@ -92,12 +88,12 @@ def test_a_run_scored_with_predicted_masks_gets_a_second_row(tmp_path, monkeypat
     assert lines[4] == "| cpu-full, predicted masks |  | 4.500/3.500/2.500 | 10.0 | 86.0% | 25.50 | — | 40.0% | 0.450 | 0.450 | 50.00 |"
     # the evaluated copy's own predictors.json (its thresholds) wins over the run's scorecard
     (Path(ev) / "predictors.json").write_text(json.dumps({"eval": {**held_out, "predicted": {"perplexity": 27.0}, "overall": {"predicted_fraction": 0.3}}}))
-    assert variants.main(["--out", "v", "--row", "cpu-full", run, ev]) == 0
+    assert variants.main(["--out", str(tmp_path / "results" / "v"), "--row", "cpu-full", run, ev]) == 0
     assert "| cpu-full, predicted masks |  | 4.500/3.500/2.500 | 10.0 | 86.0% | 27.00 | — | 30.0% |" in (tmp_path / "results" / "v.md").read_text()
     # the same run again with another scored copy (other thresholds): only its predicted row is added
     other = Path(ev).parent / "a-r995"
     shutil.copytree(ev, other)
     (other / "predictors.json").write_text(json.dumps({"eval": {"predicted": {"perplexity": 30.0}, "overall": {"predicted_fraction": 0.2}}}))
-    assert variants.main(["--out", "v", "--row", "cpu-full", run, ev, "--row", "cpu-full-r995", run, str(other)]) == 0
+    assert variants.main(["--out", str(tmp_path / "results" / "v"), "--row", "cpu-full", run, ev, "--row", "cpu-full-r995", run, str(other)]) == 0
     lines = (tmp_path / "results" / "v.md").read_text().splitlines()
     assert [line.split(" | ")[0] for line in lines[2:7]] == ["| original", "| cpu-full", "| cpu-full, predicted masks", "| cpu-full-r995, predicted masks", ""]
