@@ -268,7 +268,7 @@ def _score_row(row: dict, result: dict, model, tokenizer, score: dict, task_dir:
 def _write(out: Path, result: dict, spec: dict, done: dict) -> dict:
     """Write the rows measured in this run, every other row of the spec with its previous result (rows skipped, not asked
     for or not reached yet: an interrupted run loses nothing), in the spec's order; returns what was written."""
-    from sparseforge.checkpoint import atomic_write_text
+    from sparseforge.atomic import atomic_write_text
 
     names = ["original"] + [row["name"] for row in spec["rows"]]
     rows = {n: done[n] for n in names if n in done} | {row["name"]: row for row in result["rows"]}

@@ -81,6 +81,7 @@ def peak(device: torch.device, precision: str, threads: int) -> tuple[float, str
 def main(argv=None) -> int:
     from sparseforge.cli_options import add_recipe_options
     from sparseforge.train.loop import train
+    from sparseforge.atomic import atomic_write_text
     from sparseforge.train.metrics import read_metrics
     from sparseforge.train.recipe import load_recipe
 
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
     write_results(out, result, table(result))
     print(table(result))
     if prof is not None:
-        Path(f"{results_path(out)}-profile.md").write_text(profile_table(prof, result))
+        atomic_write_text(f"{results_path(out)}-profile.md", profile_table(prof, result))
     return 0
 
 

@@ -9,7 +9,7 @@ excluded), per validation `{"step": n, "val_loss": {...}}`.
 import json
 from pathlib import Path
 
-from sparseforge.checkpoint import atomic_write_text
+from sparseforge.atomic import atomic_write_text
 
 
 class MetricsLog:
