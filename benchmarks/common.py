@@ -145,6 +145,19 @@ def mlp_bytes(model) -> int:
     return total * model.top_k
 
 
+def ratios(rows: list[dict]) -> None:
+    """Per row: the speedup of its precision's sparseforge sparse row over it (the one through the head screen when
+    both ran), that ratio taken within each repetition then the median (robust to load drift), and its speed as a
+    multiple of the precision's reference row (decode.py --reference), where those rows ran."""
+    for row in rows:
+        same = [s for s in rows if s["precision"] == row["precision"]]
+        sparse = min((s for s in same if s["mode"] == "sparse"), key=lambda s: s["full_head"], default=None)
+        row["sparse_speedup"] = sparse["decode_tps"] / row["decode_tps"] if sparse and row["decode_tps"] else None
+        row["sparse_speedup_paired"] = median([a / b for a, b in zip(sparse["decode_all"], row["decode_all"])]) if sparse else None
+        ref = next((r for r in same if r["mode"] == "reference" and r["full_head"] == row["full_head"]), None)
+        row["over_reference"] = row["decode_tps"] / ref["decode_tps"] if ref and row["decode_tps"] and row["mode"] is not None else None
+
+
 def bytes_bound(rows: list[dict], contestants) -> list[str]:
     """Per precision, the speed a step reading only the fired neurons' rows would reach at the dense row's efficiency
     (dense bytes ÷ those bytes), and each sparseforge row's share of it; returns the notes that state the bounds."""
@@ -152,12 +165,18 @@ def bytes_bound(rows: list[dict], contestants) -> list[str]:
     mlp = {(prec, c.name): c.mlp_bytes for prec, c in contestants if hasattr(c, "mlp_bytes")}
     for row in rows:
         dense = next((d for d in rows if d["mode"] == "dense" and d["precision"] == row["precision"] and d["full_head"] == row["full_head"]), None)
-        if row["mode"] is None or dense is None or not dense["neurons_fired"] or not dense["bytes_per_token"]:
+        if row["mode"] in (None, "reference") or dense is None or not dense["neurons_fired"] or not dense["bytes_per_token"]:
             continue
         floor = dense["bytes_per_token"] - (1 - dense["neurons_fired"]) * mlp[dense["precision"], dense["engine"]]
+        ref = next((r for r in rows if r["mode"] == "reference" and r["precision"] == row["precision"] and r["full_head"] == row["full_head"]), None)
+        if ref is not None and ref["bytes_per_token"]:
+            row["reference_bound"] = ref["bytes_per_token"] / floor  # the same floor against the reference's dense bytes
         row["bytes_bound"] = dense["bytes_per_token"] / floor
         row["of_bound"] = row["decode_tps"] / dense["decode_tps"] / row["bytes_bound"]
         if row is dense:
             notes.append(f"{row['precision']}{' full head' if row['full_head'] else ''}: bytes bound {row['bytes_bound']:.2f}x dense "
                          f"({floor / 1e6:.1f} MB / token: the dense step less the rows of the {1 - dense['neurons_fired']:.1%} of neurons that do not fire)")  # fmt: skip
+            if "reference_bound" in row:
+                notes.append(f"{row['precision']}{' full head' if row['full_head'] else ''}: bytes bound {row['reference_bound']:.2f}x the reference "
+                             f"({ref['mb_per_token']:.1f} MB / token read densely)")  # fmt: skip
     return notes

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_CKPT, bytes_bound, markdown_table, median, mlp_bytes, setup, OUT_HELP, time_stream, write_results  # noqa: E402
+from common import DEFAULT_CKPT, bytes_bound, markdown_table, median, mlp_bytes, ratios, setup, OUT_HELP, time_stream, write_results  # noqa: E402
 from gguf_export import cached_gguf, original_smollm2_gguf  # noqa: E402
 
 from sparseforge.data import pretrain_prompt  # noqa: E402
@@ -260,6 +260,9 @@ def llama_cpp_contestant(args, ckpt: Path, gguf_type: str, position: int, contex
     return None
 
 
+MODES = ("sparse", "oracle", "screen", "dense")  # sparseforge rows per precision, in table order
+
+
 def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list[tuple[str, Path]]) -> list[tuple[str, object]]:
     """(precision, engine) in table order; `text` is the prompt as text, for PowerInfer's GGUFs `ggufs`."""
     position = args.prompt_tokens + args.new_tokens // 2
@@ -268,11 +271,14 @@ def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list
     out = []
     for prec in args.precisions:
         dtype, hf_dtype, gguf_types = PRECISIONS[prec]
-        for mode in ("sparse", "oracle", "screen", "dense") if dtype != "int8" else ("sparse", "oracle", "dense"):  # int8: no screen
+        for mode in [m for m in args.modes if dtype != "int8" or m != "screen"]:  # int8: no screen
             out.append((prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, args.head != "full", sampling)))
+        if args.reference:  # the original's shape read densely, in the same alternation
+            out.append((prec, ref := Sparseforge(Path(args.reference), "dense", dtype, context, args.threads, None, args.head != "full", sampling)))
+            ref.name, ref.mode = f"sparseforge dense, {Path(args.reference).parent.name or args.reference} (reference)", "reference"
         if args.head == "both" and dtype != "int8":  # int8 heads have no screen
             out += [(prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, False, sampling))
-                    for mode in ("sparse", "dense")]  # fmt: skip
+                    for mode in ("sparse", "dense") if mode in args.modes]  # fmt: skip
         if hf_dtype is not None and not args.no_hf:
             elem = 4 if hf_dtype == torch.float32 else 2
             out.append((prec, HFGenerate(ckpt, hf_dtype, dense_bytes(ckpt, elem) + kv_bytes(ckpt, position, elem), sampling=sampling)))
@@ -301,7 +307,12 @@ def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ckpt", default=str(DEFAULT_CKPT), help="the dReLU checkpoint (with predictors)")
+    p.add_argument("--ckpt", default=str(DEFAULT_CKPT), help="the dReLU checkpoint (with predictors, unless --modes leaves sparse out)")
+    p.add_argument("--reference", default=None, metavar="CKPT",
+                   help="a checkpoint whose dense mode is timed beside, per precision (e.g. one of the original's MLP width for a "
+                   "--ckpt converted with neuron halves); every row is also given as a multiple of it (÷ reference)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                   help="sparseforge engine modes to time (sparse needs the checkpoint's predictors; int8 has no screen)")
     p.add_argument("--threads", type=int, default=2, help="threads for every engine and the bandwidth probe")
     p.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS), help="precision groups to run")
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (real text from the local data)")
@@ -367,12 +378,7 @@ def run(args) -> None:
                          f"read densely it would be {dense or float('nan'):.1f} MB (the weights it loads, its 'mem required', + F16 KV cache)")  # fmt: skip
             if c.prompt_tokens != len(ids):
                 notes.append(f"{c.name}: tokenized the prompt text into {c.prompt_tokens} tokens, not {len(ids)}; prefill rate is its own")
-    for row in rows:
-        # the reference: this precision's sparseforge sparse row, the one through the head screen when both ran
-        sparse = min((s for s in rows if s["precision"] == row["precision"] and s["mode"] == "sparse"), key=lambda s: s["full_head"], default=None)
-        row["sparse_speedup"] = sparse["decode_tps"] / row["decode_tps"] if sparse and row["decode_tps"] else None
-        # the same ratio taken within each repetition (neighbours in time), then the median: robust to load drift
-        row["sparse_speedup_paired"] = median([a / b for a, b in zip(sparse["decode_all"], row["decode_all"])]) if sparse else None
+    ratios(rows)
     notes += bytes_bound(rows, contestants)
     for _, c in contestants:
         if hasattr(c, "close"):
@@ -382,7 +388,7 @@ def run(args) -> None:
             "new_tokens": args.new_tokens, "reps": args.reps, "rows": rows, "notes": notes}  # fmt: skip
     cols = [("precision", "precision", ""), ("engine", "engine", ""), ("decode_tps", "decode tok/s", ".1f"), ("prefill_tps", "prefill tok/s", ".0f"),
             ("sparse_speedup", "sparse ÷ this", ".2f"), ("sparse_speedup_paired", "paired", ".2f"), ("mb_per_token", "MB touched / token", ".1f"), ("roofline", "roofline fraction", ".2f"),
-            ("of_bound", "of bytes bound", ".2f"), ("neurons_computed", "neurons computed", ".3f"), ("neurons_fired", "neurons fired", ".3f")]  # fmt: skip
+            ("of_bound", "of bytes bound", ".2f"), *([("over_reference", "÷ reference", ".2f")] if args.reference else []), ("neurons_computed", "neurons computed", ".3f"), ("neurons_fired", "neurons fired", ".3f")]  # fmt: skip
     table = markdown_table(rows, cols) + f"\n\nread bandwidth {bandwidth['read_gbs']:.1f} GB/s, copy {bandwidth['copy_gbs']:.1f} GB/s ({args.threads} threads)"
     table += "".join(f"\n- {n}" for n in notes)
     for path in write_results(args.out or f"decode-t{args.threads}", data, table):

@@ -65,9 +65,14 @@ def _hash(parts: list) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# recipe keys newer than stored rows, with the value that gives the behaviour from before them: left out of the
+# settings while at that value, so that the stored rows keep their keys
+_NEUTRAL = {"threshold_criterion": "product", "threshold_allocation": "uniform", "neuron_halves": False}
+
+
 def _settings(base) -> dict:
     """The base recipe's resolved settings (not its file's text: comments and layout do not count), without where it runs."""
-    return {k: v for k, v in base.to_dict().items() if k != "output_dir"}
+    return {k: v for k, v in base.to_dict().items() if k != "output_dir" and not (k in _NEUTRAL and v == _NEUTRAL[k])}
 
 
 def _train_key(base, row: dict, rows: dict) -> str:

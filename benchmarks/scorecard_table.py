@@ -26,7 +26,8 @@ COLUMNS = (("original", "original (dense)"), ("oracle", "dReLU, exact masks"), (
 def rows(card: dict) -> list[dict]:
     """One dict per table row: `what`, then one formatted cell per column key of COLUMNS."""
     acc, speed, pred = card.get("accuracy") or {}, (card.get("speed") or {}).get("modes", {}), (card.get("predictors") or {}).get("eval") or {}
-    modes = {k: m for k, _ in COLUMNS if (m := speed_mode(k, speed))}  # the dense engine mode reads what the original reads
+    original = (card.get("speed") or {}).get("dense_is_original", True)  # the dense engine mode reads what the original reads
+    modes = {k: m for k, _ in COLUMNS if (m := speed_mode(k, speed, original))}
     masks = {"oracle": "oracle", "sparse": "predicted"}
     out = []
     if acc.get("average"):

@@ -9,7 +9,7 @@ line and settings, the files it read are unchanged since (size and mtime), and t
 up-to-date stages are skipped. Stages write atomically and training resumes from its latest state, so an interrupted run
 continues where it stopped when the same command is given again.
 
-    convert          sparseforge convert MODEL --activation A --out OUTPUT_DIR/converted
+    convert          sparseforge convert MODEL --activation A [--halves] --out OUTPUT_DIR/converted
     train            sparseforge train --config RECIPE (model: the converted checkpoint, teacher: MODEL)
     measure          sparseforge measure CKPT            -> sparsity.json
     profile          sparseforge profile CKPT            -> profile.safetensors/json
@@ -103,6 +103,8 @@ def _convert(run: Run, extra: list[str]) -> list[list[str]]:
     argv = ["convert", r.model, "--activation", r.activation, "--out", str(run.converted), "--force"]
     if r.threshold is not None:
         argv += ["--threshold", str(r.threshold)]
+    if r.neuron_halves:
+        argv += ["--halves"]
     return [argv + _args(extra[0])]
 
 

@@ -33,12 +33,13 @@ def parse_thresholds(value: str | None, activation: str, num_layers: int) -> lis
     return values
 
 
-def convert_model(model, activation: str, thresholds: list[float] | None = None, source: str | None = None):
+def convert_model(model, activation: str, thresholds: list[float] | None = None, source: str | None = None, halves: bool = False):
     """Dense HF causal LM -> sparseforge sparse model sharing the same tensors (no copy).
 
     The sparse model is built on the meta device and takes the original's parameters and buffers by
     name, so conversion costs no extra weight memory and fails loudly if any key differs. `source` (the
-    dense model spec) is recorded in config.sparsity["source"].
+    dense model spec) is recorded in config.sparsity["source"]. halves (dReLU only): every neuron becomes its two
+    halves (`split_halves`), so the MLPs are twice as wide (new tensors).
     """
     if activation not in ACTIVATIONS:
         raise SparseforgeError(f"unknown --activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
@@ -62,7 +63,36 @@ def convert_model(model, activation: str, thresholds: list[float] | None = None,
     if on_meta:
         raise SparseforgeError(f"conversion left tensors uninitialized: {on_meta[:5]}")
     sparse.generation_config = model.generation_config
+    if halves:
+        split_halves(sparse)
     return sparse.eval()
+
+
+@torch.no_grad()
+def split_halves(model) -> None:
+    """Make every neuron of a dReLU model's MLPs two: gate g, up u, down d become (g, u, d) and (g, -u, -d). Since
+    relu(g) relu(u) d + relu(g) relu(-u) (-d) = relu(g) u d, the model then computes ReLU-gated MLPs (ReGLU: the
+    original's silu(gate) taken as relu(gate), nothing else lost), with 2I neurons of which at most one per pair fires;
+    thresholds and training then choose per token which halves are worth computing. Dense MLPs only."""
+    from sparseforge.sparsify.hf_code.modeling_sparseforge import SparseMLP
+
+    sparsity = model.config.sparsity or {}
+    if sparsity.get("activation") != "drelu" or any(sparsity.get("thresholds") or []):
+        raise SparseforgeError("neuron halves split a dReLU model without thresholds; convert with --activation drelu first")
+    for i, layer in enumerate(model.model.layers):
+        mlp = layer.mlp
+        if not isinstance(mlp, SparseMLP) or mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None:
+            raise SparseforgeError(f"layer {i}: neuron halves need dense MLPs without gate/up biases (MoE experts and biased MLPs are not split)")
+        g, u, d = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight  # [I, H], [I, H], [H, I]
+        wide = SparseMLP(g.shape[1], 2 * g.shape[0], False, mlp.activation).to(device=g.device, dtype=g.dtype)
+        wide.gate_proj.weight.copy_(torch.cat([g, g]))
+        wide.up_proj.weight.copy_(torch.cat([u, -u]))
+        wide.down_proj.weight.copy_(torch.cat([d, -d], dim=1))
+        if mlp.down_proj.bias is not None:
+            wide.down_proj.bias = torch.nn.Parameter(mlp.down_proj.bias.detach().clone())
+        layer.mlp = wide
+    model.config.intermediate_size = 2 * model.config.intermediate_size
+    model.config.sparsity = {**sparsity, "halves": True}
 
 
 def model_card(source: str, config) -> str:

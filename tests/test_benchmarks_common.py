@@ -1,5 +1,5 @@
 """benchmarks/common.py: every benchmark's --out follows one rule (a bare name under benchmarks/results, a path with a
-'/' where it says), and names with dots keep them."""
+'/' where it says), and names with dots keep them; decode's ratio columns."""
 
 import json
 
@@ -16,3 +16,14 @@ def test_out_is_a_name_under_results_or_a_path(tmp_path):
     assert (js, md) == (tmp_path / "sub" / "run-t0.8.json", tmp_path / "sub" / "run-t0.8.md")
     assert json.loads(js.read_text())["rows"] == [1] and md.read_text().startswith("| table |\n")
     assert "command: `python benchmarks/x.py`" in md.read_text()
+
+
+def test_ratios_give_each_row_the_sparse_speedup_and_its_multiple_of_the_reference():
+    ratios = load_script("common").ratios
+    rows = [{"precision": "fp32", "mode": m, "full_head": True, "decode_tps": tps, "decode_all": [tps, tps * 1.1]}
+            for m, tps in (("sparse", 30.0), ("dense", 20.0), ("reference", 15.0))]
+    rows.append({"precision": "fp32", "mode": None, "full_head": None, "decode_tps": 10.0, "decode_all": [10.0, 11.0]})  # llama.cpp
+    ratios(rows)
+    assert [r["sparse_speedup"] for r in rows] == [1.0, 1.5, 2.0, 3.0]
+    assert rows[1]["sparse_speedup_paired"] == 1.5
+    assert [r["over_reference"] for r in rows] == [2.0, 20.0 / 15.0, 1.0, None]  # llama.cpp rows are not sparseforge's

@@ -104,6 +104,15 @@ def test_bytes_bound_per_precision(decode, tmp_path):
         assert row["bytes_bound"] == pytest.approx(1.6)
         assert row["of_bound"] == pytest.approx((1.5 if row["mode"] == "screen" else 1.0) / 1.6)
 
+    # a reference row (--reference: e.g. the original's width beside a neuron-halves checkpoint) reads 1.5 m densely
+    for prec in ("fp32", "fp16"):
+        mlp = next(c.mlp_bytes for p, c in contestants if p == prec)
+        rows.append({"precision": prec, "engine": "sparseforge dense, x (reference)", "mode": "reference", "full_head": True,
+                     "neurons_fired": 0.25, "bytes_per_token": 1.5 * mlp, "mb_per_token": 1.5 * mlp / 1e6, "decode_tps": 12.0})
+    notes = decode.bytes_bound(rows, contestants)
+    assert len(notes) == 4 and sum("bytes bound 1.20x the reference" in n for n in notes) == 2  # 1.5m / 1.25m
+    assert all("bytes_bound" not in r for r in rows if r["mode"] == "reference")
+
 
 def test_the_int8_block_runs_llama_cpp_q4_0_of_the_checkpoint_and_the_original_q4_1(decode, tmp_path, monkeypatch):
     """Each llama.cpp row of the int8 block is counted by its GGUF's own tensor bytes (plus an F16 KV cache)."""

@@ -147,7 +147,10 @@ def _rebuild(student_mlp, teacher_mlp, x: torch.Tensor, w: torch.Tensor, init: s
     wg, wu, wd = teacher_mlp.gate_proj.weight, teacher_mlp.up_proj.weight, teacher_mlp.down_proj.weight  # [I, H], [H, I]
     if any(getattr(m, "bias", None) is not None for m in (student_mlp.gate_proj, student_mlp.up_proj, student_mlp.down_proj)):
         raise SparseforgeError(f"layerwise_init: {init} needs MLPs without biases; set layerwise_init: none")
-    width = wg.shape[0]
+    width, picks = wg.shape[0], student_mlp.gate_proj.weight.shape[0]  # the teacher's neurons, the student's (2I with halves)
+    if picks != width and init == "lsq":
+        raise SparseforgeError(f"layerwise_init: lsq gives each of the teacher's {width} neurons one sign; this MLP has {picks} neurons "
+                               "(neuron halves): use split")
     signs = [(1.0, 1.0), (1.0, -1.0)] + ([(-1.0, 1.0), (-1.0, -1.0)] if init == "split4" else [])  # (gate, up) per candidate block
     score = torch.zeros(len(signs), width, dtype=torch.float64, device=x.device)  # per (block, neuron)
     computed = pre is None
@@ -172,7 +175,7 @@ def _rebuild(student_mlp, teacher_mlp, x: torch.Tensor, w: torch.Tensor, init: s
         source = torch.arange(width, device=x.device)
         gate_sign, up_sign = torch.ones(width, dtype=wu.dtype, device=x.device), torch.where(score[1] < score[0], -1.0, 1.0).to(wu.dtype)
     else:
-        chosen = (score * wd.double().pow(2).sum(0)).flatten().topk(width).indices.sort().values  # [blocks * I], through down
+        chosen = (score * wd.double().pow(2).sum(0)).flatten().topk(picks).indices.sort().values  # of [blocks * I], through down
         source, block = chosen % width, chosen // width
         table = torch.tensor(signs, dtype=wu.dtype, device=x.device)  # [blocks, 2]
         gate_sign, up_sign = table[block, 0], table[block, 1]

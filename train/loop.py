@@ -65,6 +65,8 @@ def _models(r: Recipe):
     model, tokenizer, _ = load_model(r.model, dtype="float32")
     needs_teacher = r.distill_kl > 0 or r.distill_hidden > 0 or r.layerwise_tokens > 0 or any("generated" in s for s in r.sources.values())
     if is_sparse(model.config):
+        if r.neuron_halves and not model.config.sparsity.get("halves"):
+            raise SparseforgeError(f"neuron_halves: true, but {r.model} was converted without them; start from the dense model or set neuron_halves: false")
         carry_source(model.config, r.model)
         teacher = load_model(r.teacher, dtype="float32")[0] if needs_teacher and r.teacher else None
         if needs_teacher and teacher is None:
@@ -72,7 +74,7 @@ def _models(r: Recipe):
         return model, tokenizer, teacher
     teacher = load_model(r.teacher, dtype="float32")[0] if r.teacher else (copy.deepcopy(model) if needs_teacher else None)
     thresholds = [r.threshold] * model.config.num_hidden_layers if r.threshold is not None else None
-    return convert_model(model, r.activation, thresholds, source=r.model), tokenizer, teacher
+    return convert_model(model, r.activation, thresholds, source=r.model, halves=r.neuron_halves), tokenizer, teacher
 
 
 def _state_problem(state: Path) -> str | None:

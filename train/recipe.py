@@ -67,9 +67,12 @@ class Recipe:
     layerwise_target: str = "mlp"  # mlp: the dense MLP's output; stream: the dense model's stream minus the student's (student inputs)
     layerwise_ridge: float = 1e-3  # the init's refit of down: ridge towards the dense down, a fraction of the mean diagonal of H^T H
     layerwise_weights: str = "uniform"  # uniform: plain squared error of the MLP output; stream: each token's weighted by 1 / its stream's mean square after the layer
+    neuron_halves: bool = False  # convert each SwiGLU neuron into its two dReLU halves, (g, u, d) and (g, -u, -d): MLPs twice as wide, computing ReGLU until thresholds (sparsify/convert.py)
     layerwise_init: str = "split"  # lsq: per-neuron sign of (up, down), then down by least squares, before Adam; split: the I strongest of the 2I (neuron, sign) halves, then the same refit; split4: of the 4I (neuron, gate sign, up sign) quarters; none: as converted
     target_zeros: float | None = None  # dReLU thresholds set before end-to-end training for this fraction of exact zeros per layer, kept while training (null: none)
     layerwise_thresholds: bool = False  # true: stage 1 sets each layer's target_zeros threshold before refitting it; false: calibrated after stage 1
+    threshold_criterion: str = "product"  # what target_zeros thresholds compare: product (h) or contribution (h times the neuron's down-column norm; sparsify/threshold.py)
+    threshold_allocation: str = "uniform"  # uniform: every layer at target_zeros; global: one cut over all layers, their zeros averaging it (thresholds after stage 1 only)
     device: str = "auto"  # auto: accelerate's choice; cpu forces CPU
     stages: dict = field(default_factory=dict)  # `sparseforge run`: extra arguments of the later stages (sparseforge/pipeline.py)
 
@@ -168,10 +171,20 @@ def validate(recipe: Recipe) -> Recipe:
         raise SparseforgeError("recipe key 'layerwise_target' is stream but 'layerwise_inputs' is teacher; set layerwise_inputs: student")
     if r.layerwise_init not in ("lsq", "split", "split4", "none"):
         raise SparseforgeError(f"recipe key 'layerwise_init' is {r.layerwise_init!r}; use lsq, split, split4 or none")
+    if r.neuron_halves and (r.activation != "drelu" or r.layerwise_init == "lsq"):
+        raise SparseforgeError(f"neuron_halves splits dReLU neurons in two (activation is {r.activation!r}, layerwise_init {r.layerwise_init!r}); "
+                               "use activation drelu with layerwise_init split, split4 or none")
     if r.max_steps and r.warmup_steps > r.max_steps:
         raise SparseforgeError(f"warmup_steps ({r.warmup_steps}) exceeds max_steps ({r.max_steps}); lower warmup_steps")
     if r.target_zeros is not None and not 0 < r.target_zeros < 1:
         raise SparseforgeError(f"recipe key 'target_zeros' must be a fraction between 0 and 1 (e.g. 0.85) or null, got {r.target_zeros}")
+    if r.threshold_criterion not in ("product", "contribution"):
+        raise SparseforgeError(f"recipe key 'threshold_criterion' is {r.threshold_criterion!r}; use product or contribution")
+    if r.threshold_allocation not in ("uniform", "global"):
+        raise SparseforgeError(f"recipe key 'threshold_allocation' is {r.threshold_allocation!r}; use uniform or global")
+    if r.layerwise_thresholds and (r.threshold_allocation, r.threshold_criterion) != ("uniform", "product"):
+        raise SparseforgeError("threshold_criterion and threshold_allocation apply to thresholds calibrated after stage 1; "
+                               "with layerwise_thresholds: true keep product and uniform, or set layerwise_thresholds: false")
     if r.target_zeros is not None and r.activation != "drelu":
         raise SparseforgeError(f"recipe key 'target_zeros' sets dReLU thresholds; activation is {r.activation!r}: use activation drelu or target_zeros: null")
     if r.activation in ("shifted_relu", "fatrelu") and r.threshold is None:

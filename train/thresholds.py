@@ -32,10 +32,12 @@ def set_thresholds(r: Recipe, model, run_dir: Path, latest: Path | None, mixture
         layers = [{"layer": x["layer"], "threshold": x["threshold"], "zero_fraction_before": x["zero_fraction_before"],
                    "zero_fraction_after": x["zero_fraction_after"]} for x in layerwise]
         report = {"target": r.target_zeros, "tokens": layerwise[0]["threshold_tokens"], "set_by": "stage 1, layer by layer",
+                  "criterion": r.threshold_criterion, "allocation": "uniform",
                   "thresholds": [x["threshold"] for x in layers], "layers": layers}
     else:
         windows = mixture.next_batch(-(-THRESHOLD_TOKENS // r.seq_len)).tolist()
-        report = calibrate_thresholds(model, windows, THRESHOLD_TOKENS, r.target_zeros, r.micro_batch_size, progress)
+        report = calibrate_thresholds(model, windows, THRESHOLD_TOKENS, r.target_zeros, r.micro_batch_size, progress,
+                                      r.threshold_criterion, r.threshold_allocation)
     apply_thresholds(model, report["thresholds"])
     if main:
         write_artifact(run_dir, "thresholds", {"source": r.model, "data": "the training mixture", "seq_len": r.seq_len, **report}, THRESHOLDS_FILE_VERSION)

@@ -1,0 +1,109 @@
+"""Neuron halves: a SwiGLU neuron converted into its two dReLU halves computes the ReLU-gated original exactly, stage 1
+keeps every half of a doubled MLP, the checkpoint loads at its width (HF and the runtime), and the recipe key refuses
+what it cannot split."""
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+import yaml
+from tiny import random_windows, tiny_model, tiny_recipe, tiny_tokenizer
+
+from sparseforge.checkpoint import load_sparse, save_sparse
+from sparseforge.cli import main
+from sparseforge.errors import SparseforgeError
+from sparseforge.runtime.engine import Engine
+from sparseforge.sparsify.convert import convert_model
+from sparseforge.pipeline import run_pipeline
+from sparseforge.train.layerwise import LayerwiseSettings, distill_layerwise
+from sparseforge.train.loop import _models
+from sparseforge.train.recipe import load_recipe
+
+
+def test_halves_compute_the_relu_gated_original_with_twice_the_neurons():
+    ids = torch.tensor(random_windows(2, 16))
+    with torch.no_grad():
+        reglu = convert_model(tiny_model("llama"), "relu")(ids).logits
+        model = convert_model(tiny_model("llama"), "drelu", halves=True)
+        torch.testing.assert_close(model(ids).logits, reglu, atol=1e-5, rtol=1e-5)
+    width = tiny_model("llama").config.intermediate_size
+    assert model.config.intermediate_size == 2 * width and model.config.sparsity["halves"] is True
+    mlp = model.model.layers[0].mlp
+    assert mlp.gate_proj.weight.shape[0] == 2 * width
+    torch.testing.assert_close(mlp.up_proj.weight[width:], -mlp.up_proj.weight[:width])
+    with pytest.raises(SparseforgeError, match="split a dReLU model without thresholds"):
+        convert_model(tiny_model("llama"), "relu", halves=True)
+    with pytest.raises(SparseforgeError, match="MoE experts and biased MLPs are not split"):
+        convert_model(tiny_model("mixtral"), "drelu", halves=True)
+
+
+def test_stage_1_keeps_every_half_and_lowers_each_layers_error():
+    dense = tiny_model("llama", layers=2)
+    ids = torch.tensor(random_windows(8, 32))
+    sparse = convert_model(copy.deepcopy(dense), "drelu", halves=True)
+    start = copy.deepcopy(sparse)
+    settings = LayerwiseSettings(epochs=0, inputs="student", init="split")
+    stats = distill_layerwise(sparse, dense, ids, settings, progress=False)
+    width = dense.config.intermediate_size
+    for s, layer, before in zip(stats, sparse.model.layers, start.model.layers):
+        assert s["both_halves"] == width and s["flipped"] == width  # all 2I halves picked
+        assert sorted(layer.mlp.up_proj.weight.sum(1).tolist()) == sorted(before.mlp.up_proj.weight.sum(1).tolist())
+        assert s["rel_mse_init"] <= s["rel_mse_before"] + 1e-6  # ReGLU already; the refit only lowers it
+    thresholded = convert_model(copy.deepcopy(dense), "drelu", halves=True)
+    stats = distill_layerwise(thresholded, dense, ids, dataclasses.replace(settings, epochs=1, batch_tokens=64, target_zeros=0.9), progress=False)
+    assert all(0.9 <= s["zero_fraction_after"] < 0.9 + 2 / (256 * 2 * width) for s in stats)
+    with pytest.raises(SparseforgeError, match="lsq gives each of the teacher's 128 neurons one sign; this MLP has 256"):
+        distill_layerwise(convert_model(copy.deepcopy(dense), "drelu", halves=True), dense, ids, LayerwiseSettings(init="lsq"), progress=False)
+
+
+def test_a_halves_checkpoint_loads_at_its_width(tmp_path, one_thread):
+    model = convert_model(tiny_model("llama"), "drelu", halves=True)
+    save_sparse(model, tiny_tokenizer(), tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["intermediate_size"] == 2 * tiny_model("llama").config.intermediate_size
+    ids = torch.tensor(random_windows(1, 12))
+    with torch.no_grad():
+        ref = model(ids).logits
+        torch.testing.assert_close(load_sparse(tmp_path / "ckpt")(ids).logits, ref)
+    engine = Engine.load(tmp_path / "ckpt", mode="oracle", context=32, progress=False)
+    torch.testing.assert_close(engine.forward(ids, engine.new_cache(1)), ref, atol=2e-5, rtol=1e-4)
+
+    # the dense mode reads twice the original's MLP rows: the scorecard pairs no speed with the original's accuracy
+    from sparseforge.eval.scorecard import SpeedSettings, measure_speed, speed_mode
+
+    speed = measure_speed(tmp_path / "ckpt", SpeedSettings(modes=("dense", "oracle"), prompt_tokens=4, decode_tokens=2, repeats=1, context=32),
+                          progress=False, log=lambda *a: None)  # fmt: skip
+    assert speed["dense_is_original"] is False
+    assert speed_mode("original", speed["modes"], speed["dense_is_original"]) is None and speed_mode("oracle", speed["modes"], False) == "oracle"
+
+
+def test_the_recipe_key_refuses_what_it_cannot_split(workspace, tmp_path):
+    def recipe(**overrides):
+        path = tmp_path / "recipe.json"
+        path.write_text(json.dumps(tiny_recipe(workspace, tmp_path / "run", **overrides)))
+        return load_recipe(str(path))
+
+    assert recipe(neuron_halves=True).neuron_halves and not recipe().neuron_halves
+    with pytest.raises(SparseforgeError, match="neuron_halves splits dReLU neurons in two .* layerwise_init 'lsq'"):
+        recipe(neuron_halves=True, layerwise_init="lsq")
+    with pytest.raises(SparseforgeError, match="activation is 'relu'"):
+        recipe(neuron_halves=True, activation="relu")
+
+
+def test_a_run_converts_with_halves_and_trains_them(workspace, tmp_path):
+    raw = tiny_recipe(workspace, tmp_path / "run", max_steps=1, neuron_halves=True, layerwise_tokens=128, layerwise_epochs=1,
+                      layerwise_init="split", target_zeros=0.9, layerwise_thresholds=True)  # fmt: skip
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    rows, _ = run_pipeline(str(path), only="convert,train", dry_run=True)
+    assert "--halves" in rows[0]["result"]
+    rows, ckpt = run_pipeline(str(path), only="convert,train", progress=False)
+    assert [r["status"] for r in rows] == ["ran", "ran"]
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["intermediate_size"] == 2 * tiny_model("llama").config.intermediate_size and config["sparsity"]["halves"]
+    plain = tmp_path / "plain"  # converted without halves: a recipe asking for them refuses to train it
+    assert main(["convert", str(workspace / "dense"), "--out", str(plain)]) == 0
+    recipe = load_recipe(None, raw=tiny_recipe(workspace, tmp_path / "r2", model=str(plain), teacher=str(workspace / "dense"), neuron_halves=True))
+    with pytest.raises(SparseforgeError, match="was converted without them"):
+        _models(recipe)
