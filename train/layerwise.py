@@ -24,7 +24,8 @@ lam = `ridge` times the mean diagonal of H^T H.
 Both steps are closed form; they alone take most layers' relative error from 0.3-0.8 to 0.05-0.6.
 `init="split"` chooses among all 2I (neuron, sign) candidates instead of one sign per neuron: the I whose output
 relu(g) * relu(+-u) * ||d|| carries the most energy on x, so a neuron whose output comes with both signs of up keeps
-both halves and the weakest neurons make room; the refit is the same. `init="split4"` chooses among all 4I (neuron,
+both halves and the weakest neurons make room; the refit is the same. A student with neuron halves
+(sparsify.convert.split_halves: 2I neurons) keeps all 2I candidates. `init="split4"` chooses among all 4I (neuron,
 gate sign, up sign) quarters relu(+-g) * relu(+-u), by the SwiGLU output energy silu(g)^2 u^2 ||d||^2 in each
 quarter's region: a layer whose SwiGLU output comes largely from silu's negative lobe (g < 0) keeps some of it. The
 target, the choice, the refit and (without Adam) the student's output read one computation of the tokens' gate and
