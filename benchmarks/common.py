@@ -145,6 +145,11 @@ def mlp_bytes(model) -> int:
     return total * model.top_k
 
 
+def peer(rows: list[dict], row: dict, mode: str) -> dict | None:
+    """The row of sparseforge engine mode `mode` in `row`'s block: same precision, same head (full or screened)."""
+    return next((r for r in rows if r["mode"] == mode and r["precision"] == row["precision"] and r["full_head"] == row["full_head"]), None)
+
+
 def ratios(rows: list[dict]) -> None:
     """Per row: the speedup of its precision's sparseforge sparse row over it (the one through the head screen when
     both ran), that ratio taken within each repetition then the median (robust to load drift), and its speed as a
@@ -154,7 +159,7 @@ def ratios(rows: list[dict]) -> None:
         sparse = min((s for s in same if s["mode"] == "sparse"), key=lambda s: s["full_head"], default=None)
         row["sparse_speedup"] = sparse["decode_tps"] / row["decode_tps"] if sparse and row["decode_tps"] else None
         row["sparse_speedup_paired"] = median([a / b for a, b in zip(sparse["decode_all"], row["decode_all"])]) if sparse else None
-        ref = next((r for r in same if r["mode"] == "reference" and r["full_head"] == row["full_head"]), None)
+        ref = peer(rows, row, "reference")
         row["over_reference"] = row["decode_tps"] / ref["decode_tps"] if ref and row["decode_tps"] and row["mode"] is not None else None
 
 
@@ -164,11 +169,10 @@ def bytes_bound(rows: list[dict], contestants) -> list[str]:
     notes = []
     mlp = {(prec, c.name): c.mlp_bytes for prec, c in contestants if hasattr(c, "mlp_bytes")}
     for row in rows:
-        dense = next((d for d in rows if d["mode"] == "dense" and d["precision"] == row["precision"] and d["full_head"] == row["full_head"]), None)
+        dense, ref = peer(rows, row, "dense"), peer(rows, row, "reference")
         if row["mode"] in (None, "reference") or dense is None or not dense["neurons_fired"] or not dense["bytes_per_token"]:
             continue
         floor = dense["bytes_per_token"] - (1 - dense["neurons_fired"]) * mlp[dense["precision"], dense["engine"]]
-        ref = next((r for r in rows if r["mode"] == "reference" and r["precision"] == row["precision"] and r["full_head"] == row["full_head"]), None)
         if ref is not None and ref["bytes_per_token"]:
             row["reference_bound"] = ref["bytes_per_token"] / floor  # the same floor against the reference's dense bytes
         row["bytes_bound"] = dense["bytes_per_token"] / floor

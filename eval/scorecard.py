@@ -27,11 +27,13 @@ SCORECARD_FORMAT_VERSION = 1
 ACCURACY_TO_MODE = {"original": "dense", "oracle": "oracle", "sparse": "sparse"}
 
 
-def speed_mode(config: str, timed, dense_is_original: bool = True) -> str | None:
-    """The timed engine mode that runs accuracy configuration `config`: the exact mask (oracle) at its fastest, the
-    screen, when that was timed (screen and oracle compute the same neurons' outputs; runtime/screen.py). None for the
-    original when the dense mode reads other weights than the original does (a checkpoint with neuron halves)."""
-    if config == "original" and not dense_is_original:
+def speed_mode(config: str, speed: dict) -> str | None:
+    """The engine mode of a scorecard's `speed` (measure_speed's result) that runs accuracy configuration `config`: the
+    exact mask (oracle) at its fastest, the screen, when that was timed (screen and oracle compute the same neurons'
+    outputs; runtime/screen.py). None for the original when the dense mode reads other weights than the original does
+    (a checkpoint with neuron halves)."""
+    timed = speed.get("modes", {})
+    if config == "original" and not speed.get("dense_is_original", True):
         return None
     mode = "screen" if config == "oracle" and "screen" in timed else ACCURACY_TO_MODE.get(config)
     return mode if mode in timed else None
@@ -96,9 +98,9 @@ def measure_speed(ckpt: str | Path, settings: SpeedSettings, progress: bool = Tr
                 runs[mode]["decode"].append(decode)
         if rep:
             log(f"repetition {rep}/{settings.repeats}: " + ", ".join(f"{m} decode {runs[m]['decode'][-1]:.1f} tok/s" for m in settings.modes))
-    halves = bool((getattr(engines[settings.modes[0]].model.config, "sparsity", None) or {}).get("halves"))
     # the dense mode reads every weight the original reads, unless neuron halves doubled the MLPs
-    out = {"settings": asdict(settings), "peak_rss_bytes": _peak_rss_bytes(), "dense_is_original": not halves, "modes": {}}
+    original = not engines[settings.modes[0]].config.sparsity.get("halves")
+    out = {"settings": asdict(settings), "peak_rss_bytes": _peak_rss_bytes(), "dense_is_original": original, "modes": {}}
     for mode, engine in engines.items():
         stats = engine.stats()
         out["modes"][mode] = {
@@ -134,7 +136,7 @@ def points(scorecard: dict) -> list[dict]:
     """(configuration, average accuracy, decode tok/s) for every accuracy row whose engine mode was timed."""
     acc = (scorecard.get("accuracy") or {}).get("average", {}).get("values", {})
     modes = scorecard["speed"]["modes"]
-    timed = {c: speed_mode(c, modes, scorecard["speed"].get("dense_is_original", True)) for c in ACCURACY_TO_MODE if c in acc}
+    timed = {c: speed_mode(c, scorecard["speed"]) for c in ACCURACY_TO_MODE if c in acc}
     return [{"config": c, "mode": m, "accuracy": acc[c], "decode_tokens_per_second": modes[m]["decode_tokens_per_second"]} for c, m in timed.items() if m]
 
 

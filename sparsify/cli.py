@@ -55,10 +55,10 @@ def register(subparsers) -> None:
     )
     p.add_argument("ckpt", help="a dReLU sparse checkpoint (its profile, predictors and plans are not copied: they describe other zeros)")
     p.add_argument("--target-zeros", type=float, required=True, help="fraction of exactly-zero MLP activations per layer, e.g. 0.9")
-    p.add_argument("--criterion", choices=("product", "contribution"), default="product",
-                   help="what a threshold compares: the product itself, or the neuron's contribution to the MLP output "
+    p.add_argument("--criterion", default="product",
+                   help="product or contribution: what a threshold compares, the product itself, or the neuron's contribution to the MLP output "
                    "(the weights are rescaled, function unchanged, so that every down column has unit norm)")
-    p.add_argument("--allocation", choices=("uniform", "global"), default="uniform",
+    p.add_argument("--allocation", default="uniform",
                    help="uniform: every layer at --target-zeros; global: one cut over all layers, each value against the "
                    "RMS of the residual that reaches its MLP, the layers' zeros averaging --target-zeros (each within 0.1 of it)")
     p.add_argument("--out", required=True, help="output checkpoint directory (must not exist unless --force)")

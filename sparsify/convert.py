@@ -68,6 +68,11 @@ def convert_model(model, activation: str, thresholds: list[float] | None = None,
     return sparse.eval()
 
 
+def check_halves(activation: str) -> None:
+    if activation != "drelu":
+        raise SparseforgeError(f"neuron halves split dReLU neurons; the activation is {activation}: use drelu")
+
+
 @torch.no_grad()
 def split_halves(model) -> None:
     """Make every neuron of a dReLU model's MLPs two: gate g, up u, down d become (g, u, d) and (g, -u, -d). Since
@@ -77,8 +82,9 @@ def split_halves(model) -> None:
     from sparseforge.sparsify.hf_code.modeling_sparseforge import SparseMLP
 
     sparsity = model.config.sparsity or {}
-    if sparsity.get("activation") != "drelu" or any(sparsity.get("thresholds") or []):
-        raise SparseforgeError("neuron halves split a dReLU model without thresholds; convert with --activation drelu first")
+    check_halves(sparsity.get("activation"))
+    if any(sparsity.get("thresholds") or []):
+        raise SparseforgeError("neuron halves split a model without thresholds; split it before `sparseforge threshold`")
     for i, layer in enumerate(model.model.layers):
         mlp = layer.mlp
         if not isinstance(mlp, SparseMLP) or mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None:

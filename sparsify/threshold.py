@@ -97,9 +97,9 @@ def check_target_zeros(target: float) -> None:
 
 def check_rule(criterion: str, allocation: str) -> None:
     if criterion not in CRITERIA:
-        raise SparseforgeError(f"threshold criterion {criterion!r} is not one of {', '.join(CRITERIA)}")
+        raise SparseforgeError(f"--criterion {criterion!r} is not one of {', '.join(CRITERIA)}; e.g. --criterion product")
     if allocation not in ALLOCATIONS:
-        raise SparseforgeError(f"threshold allocation {allocation!r} is not one of {', '.join(ALLOCATIONS)}")
+        raise SparseforgeError(f"--allocation {allocation!r} is not one of {', '.join(ALLOCATIONS)}; e.g. --allocation uniform")
 
 
 @torch.no_grad()

@@ -15,14 +15,14 @@ def convert(model: str, out: str, activation: str = "drelu", threshold: str | No
     width, sparsify.convert.split_halves)."""
     from sparseforge.checkpoint import check_output, save_sparse
     from sparseforge.sources import load_model
-    from sparseforge.sparsify.convert import convert_model, model_card, parse_thresholds
+    from sparseforge.sparsify.convert import check_halves, convert_model, model_card, parse_thresholds
     from sparseforge.sparsify.hf_code.modeling_sparseforge import ACTIVATIONS
 
     start = time.perf_counter()
     if activation not in ACTIVATIONS:  # before the (slow) model load
         raise SparseforgeError(f"unknown --activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
-    if halves and activation != "drelu":
-        raise SparseforgeError(f"--halves splits dReLU neurons; --activation is {activation}: use --activation drelu")
+    if halves:
+        check_halves(activation)
     check_output(out, force)
     dense, tokenizer, source = load_model(model, dtype=dtype)
     thresholds = parse_thresholds(threshold, activation, dense.config.num_hidden_layers)

@@ -33,7 +33,7 @@ def test_halves_compute_the_relu_gated_original_with_twice_the_neurons():
     mlp = model.model.layers[0].mlp
     assert mlp.gate_proj.weight.shape[0] == 2 * width
     torch.testing.assert_close(mlp.up_proj.weight[width:], -mlp.up_proj.weight[:width])
-    with pytest.raises(SparseforgeError, match="split a dReLU model without thresholds"):
+    with pytest.raises(SparseforgeError, match="neuron halves split dReLU neurons; the activation is relu: use drelu"):
         convert_model(tiny_model("llama"), "relu", halves=True)
     with pytest.raises(SparseforgeError, match="MoE experts and biased MLPs are not split"):
         convert_model(tiny_model("mixtral"), "drelu", halves=True)
@@ -75,7 +75,8 @@ def test_a_halves_checkpoint_loads_at_its_width(tmp_path, one_thread):
     speed = measure_speed(tmp_path / "ckpt", SpeedSettings(modes=("dense", "oracle"), prompt_tokens=4, decode_tokens=2, repeats=1, context=32),
                           progress=False, log=lambda *a: None)  # fmt: skip
     assert speed["dense_is_original"] is False
-    assert speed_mode("original", speed["modes"], speed["dense_is_original"]) is None and speed_mode("oracle", speed["modes"], False) == "oracle"
+    assert speed_mode("original", speed) is None and speed_mode("oracle", speed) == "oracle"
+    assert speed_mode("original", {**speed, "dense_is_original": True}) == "dense"
 
 
 def test_the_recipe_key_refuses_what_it_cannot_split(workspace, tmp_path):
@@ -85,9 +86,9 @@ def test_the_recipe_key_refuses_what_it_cannot_split(workspace, tmp_path):
         return load_recipe(str(path))
 
     assert recipe(neuron_halves=True).neuron_halves and not recipe().neuron_halves
-    with pytest.raises(SparseforgeError, match="neuron_halves splits dReLU neurons in two .* layerwise_init 'lsq'"):
+    with pytest.raises(SparseforgeError, match="neuron_halves needs every half of a neuron, layerwise_init lsq keeps one"):
         recipe(neuron_halves=True, layerwise_init="lsq")
-    with pytest.raises(SparseforgeError, match="activation is 'relu'"):
+    with pytest.raises(SparseforgeError, match="the activation is relu: use drelu"):
         recipe(neuron_halves=True, activation="relu")
 
 

@@ -123,6 +123,7 @@ def test_threshold_cli_takes_the_rule(workspace, tmp_path, capsys):
     assert (record["criterion"], record["allocation"]) == ("contribution", "global")
     zeros = [row["zero_fraction_after"] for row in record["layers"]]
     assert sum(zeros) / len(zeros) == pytest.approx(0.8, abs=0.01)
-    with pytest.raises(SystemExit):
-        main(["threshold", str(src), "--target-zeros", "0.8", "--out", str(tmp_path / "x"), "--allocation", "layers", *data])
-    assert "invalid choice: 'layers'" in capsys.readouterr().err
+    assert main(["threshold", str(src), "--target-zeros", "0.8", "--out", str(tmp_path / "x"), "--allocation", "layers", *data]) == 2
+    err = capsys.readouterr().err
+    assert "--allocation 'layers' is not one of uniform, global" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()

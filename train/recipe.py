@@ -171,17 +171,22 @@ def validate(recipe: Recipe) -> Recipe:
         raise SparseforgeError("recipe key 'layerwise_target' is stream but 'layerwise_inputs' is teacher; set layerwise_inputs: student")
     if r.layerwise_init not in ("lsq", "split", "split4", "none"):
         raise SparseforgeError(f"recipe key 'layerwise_init' is {r.layerwise_init!r}; use lsq, split, split4 or none")
-    if r.neuron_halves and (r.activation != "drelu" or r.layerwise_init == "lsq"):
-        raise SparseforgeError(f"neuron_halves splits dReLU neurons in two (activation is {r.activation!r}, layerwise_init {r.layerwise_init!r}); "
-                               "use activation drelu with layerwise_init split, split4 or none")
+    if r.neuron_halves:
+        from sparseforge.sparsify.convert import check_halves
+
+        check_halves(r.activation)
+        if r.layerwise_init == "lsq":
+            raise SparseforgeError("neuron_halves needs every half of a neuron, layerwise_init lsq keeps one; use split, split4 or none")
     if r.max_steps and r.warmup_steps > r.max_steps:
         raise SparseforgeError(f"warmup_steps ({r.warmup_steps}) exceeds max_steps ({r.max_steps}); lower warmup_steps")
     if r.target_zeros is not None and not 0 < r.target_zeros < 1:
         raise SparseforgeError(f"recipe key 'target_zeros' must be a fraction between 0 and 1 (e.g. 0.85) or null, got {r.target_zeros}")
-    if r.threshold_criterion not in ("product", "contribution"):
-        raise SparseforgeError(f"recipe key 'threshold_criterion' is {r.threshold_criterion!r}; use product or contribution")
-    if r.threshold_allocation not in ("uniform", "global"):
-        raise SparseforgeError(f"recipe key 'threshold_allocation' is {r.threshold_allocation!r}; use uniform or global")
+    from sparseforge.sparsify.threshold import ALLOCATIONS, CRITERIA
+
+    if r.threshold_criterion not in CRITERIA:
+        raise SparseforgeError(f"recipe key 'threshold_criterion' is {r.threshold_criterion!r}; use {' or '.join(CRITERIA)}")
+    if r.threshold_allocation not in ALLOCATIONS:
+        raise SparseforgeError(f"recipe key 'threshold_allocation' is {r.threshold_allocation!r}; use {' or '.join(ALLOCATIONS)}")
     if r.layerwise_thresholds and (r.threshold_allocation, r.threshold_criterion) != ("uniform", "product"):
         raise SparseforgeError("threshold_criterion and threshold_allocation apply to thresholds calibrated after stage 1; "
                                "with layerwise_thresholds: true keep product and uniform, or set layerwise_thresholds: false")
