@@ -48,6 +48,14 @@ def rows(card: dict) -> list[dict]:
     return out
 
 
+def _original_note(speed: dict) -> str:
+    if "original" in speed.get("modes", {}):
+        return "the original's speed is the original model (SwiGLU MLPs) in the engine's dense mode, timed alongside (this checkpoint's MLPs are neuron halves, twice as wide)."
+    if speed.get("dense_is_original", True):
+        return "the original's speed is the engine's dense mode, which reads every weight the original reads."
+    return "the original is not timed: this checkpoint's dense mode reads twice its MLP rows (neuron halves)."
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("ckpt", type=Path, help="a checkpoint with scorecard.json (sparseforge scorecard)")
@@ -58,9 +66,7 @@ def main(argv=None) -> int:
     table = markdown_table(rows(card), [("what", "", "")] + [(k, h, "s") for k, h in COLUMNS])
     notes = (f"Speed: prompt {settings.get('prompt_tokens')} tokens, {settings.get('decode_tokens')} greedy decode steps, "
              f"median of {settings.get('repeats')} alternating repetitions, {settings.get('threads')} thread(s); "
-             + ("the original's speed is the engine's dense mode, which reads every weight the original reads."
-                if (card.get("speed") or {}).get("dense_is_original", True) else
-                "the original is not timed: this checkpoint's dense mode reads twice its MLP rows (neuron halves)."))
+             + _original_note(card.get("speed") or {}))
     data = {"command": "python " + " ".join(["benchmarks/scorecard_table.py", *(argv if argv is not None else sys.argv[1:])]),
             "environment": environment(settings.get("threads") or 1), "checkpoint": str(args.ckpt), "scorecard": card}
     write_results(args.out, data, table + "\n\n" + notes)

@@ -7,11 +7,13 @@ then `decode_tokens` greedy single-token steps follow (Engine.generate's token l
 engine's own counters (bytes touched per decode token, fraction of neurons computed, resident weight bytes)
 and the process's peak-RSS growth while that engine loaded. Accuracy comes from CKPT/eval.json
 (`sparseforge eval`); the "original" row is paired with the dense mode's speed (same architecture, every
-neuron), "oracle" with oracle, "sparse" with sparse.
+neuron; for a checkpoint with neuron halves, whose MLPs are twice the original's, the original model itself is timed in
+the dense mode beside the others), "oracle" with oracle, "sparse" with sparse.
 """
 
 import resource
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,9 +32,12 @@ ACCURACY_TO_MODE = {"original": "dense", "oracle": "oracle", "sparse": "sparse"}
 def speed_mode(config: str, speed: dict) -> str | None:
     """The engine mode of a scorecard's `speed` (measure_speed's result) that runs accuracy configuration `config`: the
     exact mask (oracle) at its fastest, the screen, when that was timed (screen and oracle compute the same neurons'
-    outputs; runtime/screen.py). None for the original when the dense mode reads other weights than the original does
-    (a checkpoint with neuron halves)."""
+    outputs; runtime/screen.py). The original: the dense mode, or the original model itself when that was timed (a
+    checkpoint with neuron halves, whose dense mode reads twice the original's MLP rows); None when neither reads what
+    the original reads."""
     timed = speed.get("modes", {})
+    if config == "original" and "original" in timed:
+        return "original"
     if config == "original" and not speed.get("dense_is_original", True):
         return None
     mode = "screen" if config == "oracle" and "screen" in timed else ACCURACY_TO_MODE.get(config)
@@ -71,25 +76,56 @@ def _one_run(engine, ids: torch.Tensor, decode_tokens: int) -> tuple[float, floa
 
 
 def measure_speed(ckpt: str | Path, settings: SpeedSettings, progress: bool = True, log=print) -> dict:
-    """Side-by-side prefill/decode speed of the engine modes (module docstring)."""
-    from sparseforge.runtime.engine import Engine
-
+    """Side-by-side prefill/decode speed of the engine modes (module docstring); for a checkpoint with neuron halves,
+    also of the original (`modes["original"]`: its SwiGLU MLPs in the dense mode)."""
     if settings.prompt_tokens + settings.decode_tokens > settings.context:
         raise SparseforgeError(f"--prompt-tokens + --decode-tokens ({settings.prompt_tokens + settings.decode_tokens}) exceed --context {settings.context}")
     if "sparse" in settings.modes:  # before any engine loads
         from sparseforge.predictors.store import require_predictors
 
         require_predictors(ckpt, "pass --modes without sparse (e.g. dense,screen)")
+    with tempfile.TemporaryDirectory(prefix="sparseforge-original-") as tmp:
+        return _measure(ckpt, settings, progress, log, Path(tmp))
+
+
+def _original_checkpoint(ckpt: Path, out: Path, log) -> Path | None:
+    """The dense original recorded by `ckpt` (checkpoint.recorded_source), converted with its own SwiGLU MLPs into `out`
+    for the engine's dense mode; None (and why, logged) when it cannot be loaded here."""
+    from sparseforge.checkpoint import recorded_source, save_sparse
+    from sparseforge.sources import load_model
+    from sparseforge.sparsify.convert import convert_model
+
+    try:
+        source = recorded_source(ckpt)
+        dense, tokenizer, _ = load_model(source)
+    except (SparseforgeError, OSError) as e:
+        log(f"the original is not timed (this checkpoint's dense mode reads twice its MLP rows): {e}")
+        return None
+    save_sparse(convert_model(dense, "silu", source=source), tokenizer, out)
+    return out
+
+
+def _measure(ckpt: str | Path, settings: SpeedSettings, progress: bool, log, tmp: Path) -> dict:
+    from sparseforge.runtime.engine import Engine
+
     engines, load_rss = {}, {}
     for mode in settings.modes:
         before = _peak_rss_bytes()
         engines[mode] = Engine.load(ckpt, mode=mode, context=settings.context, threads=settings.threads, progress=progress,
                                     device=settings.device, device_memory=settings.device_memory)  # fmt: skip
         load_rss[mode] = _peak_rss_bytes() - before
+    # the dense mode reads every weight the original reads, unless neuron halves doubled the MLPs: then the original
+    # itself is timed beside the modes, in the dense mode
+    halves = bool(engines[settings.modes[0]].config.sparsity.get("halves"))
+    if halves and "dense" in settings.modes and (original := _original_checkpoint(Path(ckpt), tmp / "original", log)):
+        before = _peak_rss_bytes()
+        engines["original"] = Engine.load(original, mode="dense", context=settings.context, threads=settings.threads, progress=progress,
+                                          device=settings.device, device_memory=settings.device_memory)  # fmt: skip
+        load_rss["original"] = _peak_rss_bytes() - before
     ids = torch.tensor([pretrain_prompt(engines[settings.modes[0]].tokenizer, settings.prompt_tokens)])
-    runs = {m: {"prefill": [], "decode": []} for m in settings.modes}
+    runs = {m: {"prefill": [], "decode": []} for m in engines}
     for rep in range(settings.repeats + 1):  # repetition 0 warms up (first-touch of weights, allocator) and is dropped
-        order = settings.modes if rep % 2 == 0 else tuple(reversed(settings.modes))
+        order = tuple(engines) if rep % 2 == 0 else tuple(reversed(engines))
         for mode in order:
             engines[mode].reset_stats()
             prefill, decode = _one_run(engines[mode], ids, settings.decode_tokens)
@@ -97,10 +133,8 @@ def measure_speed(ckpt: str | Path, settings: SpeedSettings, progress: bool = Tr
                 runs[mode]["prefill"].append(prefill)
                 runs[mode]["decode"].append(decode)
         if rep:
-            log(f"repetition {rep}/{settings.repeats}: " + ", ".join(f"{m} decode {runs[m]['decode'][-1]:.1f} tok/s" for m in settings.modes))
-    # the dense mode reads every weight the original reads, unless neuron halves doubled the MLPs
-    original = not engines[settings.modes[0]].config.sparsity.get("halves")
-    out = {"settings": asdict(settings), "peak_rss_bytes": _peak_rss_bytes(), "dense_is_original": original, "modes": {}}
+            log(f"repetition {rep}/{settings.repeats}: " + ", ".join(f"{m} decode {runs[m]['decode'][-1]:.1f} tok/s" for m in engines))
+    out = {"settings": asdict(settings), "peak_rss_bytes": _peak_rss_bytes(), "dense_is_original": not halves, "modes": {}}
     for mode, engine in engines.items():
         stats = engine.stats()
         out["modes"][mode] = {
@@ -192,6 +226,8 @@ def speed_markdown(speed: dict) -> str:
             f"{'-' if frac is None else f'{100 * frac:.1f} %'} | {m['resident_weight_bytes'] / 1e6:.1f} MB |"
         )
     s = speed["settings"]
+    if "original" in speed["modes"]:
+        lines.append("\noriginal: the dense original model (its SwiGLU MLPs) in the dense mode; this checkpoint's MLPs are neuron halves, twice as wide.")
     lines.append(f"\nPrompt {s['prompt_tokens']} tokens, {s['decode_tokens']} greedy decode steps, median of {s['repeats']} alternating "
                  f"repetitions, {s['threads']} thread(s); process peak RSS {speed['peak_rss_bytes'] / 1e9:.2f} GB.")  # fmt: skip
     return "\n".join(lines)

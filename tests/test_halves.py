@@ -69,14 +69,27 @@ def test_a_halves_checkpoint_loads_at_its_width(tmp_path, one_thread):
     engine = Engine.load(tmp_path / "ckpt", mode="oracle", context=32, progress=False)
     torch.testing.assert_close(engine.forward(ids, engine.new_cache(1)), ref, atol=2e-5, rtol=1e-4)
 
-    # the dense mode reads twice the original's MLP rows: the scorecard pairs no speed with the original's accuracy
-    from sparseforge.eval.scorecard import SpeedSettings, measure_speed, speed_mode
+    # the dense mode reads twice the original's MLP rows: the scorecard times the recorded original itself, and pairs
+    # no speed with the original's accuracy when it records none
+    from sparseforge.eval.scorecard import SpeedSettings, measure_speed, speed_markdown, speed_mode
 
-    speed = measure_speed(tmp_path / "ckpt", SpeedSettings(modes=("dense", "oracle"), prompt_tokens=4, decode_tokens=2, repeats=1, context=32),
-                          progress=False, log=lambda *a: None)  # fmt: skip
-    assert speed["dense_is_original"] is False
+    settings = SpeedSettings(modes=("dense", "oracle"), prompt_tokens=4, decode_tokens=2, repeats=1, context=32)
+    logged = []
+    speed = measure_speed(tmp_path / "ckpt", settings, progress=False, log=logged.append)
+    assert speed["dense_is_original"] is False and "original" not in speed["modes"]
+    assert any("the original is not timed" in line for line in logged)
     assert speed_mode("original", speed) is None and speed_mode("oracle", speed) == "oracle"
     assert speed_mode("original", {**speed, "dense_is_original": True}) == "dense"
+
+    dense = tiny_model("llama")
+    dense.save_pretrained(tmp_path / "dense")
+    tiny_tokenizer().save_pretrained(tmp_path / "dense")
+    save_sparse(convert_model(tiny_model("llama"), "drelu", source=str(tmp_path / "dense"), halves=True), tiny_tokenizer(), tmp_path / "sourced")
+    speed = measure_speed(tmp_path / "sourced", settings, progress=False, log=lambda *a: None)
+    original = speed["modes"]["original"]
+    assert speed_mode("original", speed) == "original" and original["neurons_computed_fraction"] == 1.0
+    assert original["resident_weight_bytes"] < speed["modes"]["dense"]["resident_weight_bytes"]
+    assert "| original |" in speed_markdown(speed) and "neuron halves, twice as wide" in speed_markdown(speed)
 
 
 def test_the_recipe_key_refuses_what_it_cannot_split(workspace, tmp_path):
