@@ -25,9 +25,9 @@ COLUMNS = (("original", "original (dense)"), ("oracle", "dReLU, exact masks"), (
 
 def rows(card: dict) -> list[dict]:
     """One dict per table row: `what`, then one formatted cell per column key of COLUMNS."""
-    acc, pred = card.get("accuracy") or {}, (card.get("predictors") or {}).get("eval") or {}
-    speed = (card.get("speed") or {}).get("modes", {})
-    modes = {k: m for k, _ in COLUMNS if (m := speed_mode(k, card.get("speed") or {}))}  # the original: the dense engine mode
+    acc, pred, timed = card.get("accuracy") or {}, (card.get("predictors") or {}).get("eval") or {}, card.get("speed") or {}
+    speed = timed.get("modes", {})
+    modes = {k: m for k, _ in COLUMNS if (m := speed_mode(k, timed))}  # the original: the dense mode, or the original itself
     masks = {"oracle": "oracle", "sparse": "predicted"}
     out = []
     if acc.get("average"):
