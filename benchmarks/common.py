@@ -170,7 +170,7 @@ def bytes_bound(rows: list[dict], contestants) -> list[str]:
     mlp = {(prec, c.name): c.mlp_bytes for prec, c in contestants if hasattr(c, "mlp_bytes")}
     for row in rows:
         dense, ref = peer(rows, row, "dense"), peer(rows, row, "reference")
-        if row["mode"] in (None, "reference") or dense is None or not dense["neurons_fired"] or not dense["bytes_per_token"]:
+        if row["mode"] in (None, "reference", "also") or dense is None or not dense["neurons_fired"] or not dense["bytes_per_token"]:
             continue
         floor = dense["bytes_per_token"] - (1 - dense["neurons_fired"]) * mlp[dense["precision"], dense["engine"]]
         if ref is not None and ref["bytes_per_token"]:

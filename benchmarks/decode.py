@@ -27,7 +27,6 @@ mean decode position. Roofline fraction = bytes/token x tokens/s / measured read
 import argparse
 import gc
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,13 +37,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_CKPT, bytes_bound, markdown_table, median, mlp_bytes, ratios, setup, OUT_HELP, time_stream, write_results  # noqa: E402
 from gguf_export import cached_gguf, original_smollm2_gguf  # noqa: E402
+from powerinfer_run import POWERINFER_TYPES, PowerInfer, parse_powerinfer_log, powerinfer_ggufs  # noqa: E402, F401
 
 from sparseforge.data import pretrain_prompt  # noqa: E402
 from sparseforge.errors import SparseforgeError  # noqa: E402
 from sparseforge.runtime.weights import WEIGHT_DTYPES  # noqa: E402
 
 PRECISIONS = {"fp32": ("float32", torch.float32, ("F32",)), "fp16": ("float16", torch.bfloat16, ("F16",)), "int8": ("int8", None, ("Q4_0", "Q4_1"))}
-POWERINFER_TYPES = {"F32": ("fp32", "all F32"), "F16": ("fp16", "mostly F16"), "Q4_0": ("int8", "mostly Q4_0"), "Q4_1": ("int8", "mostly Q4_1")}
 
 
 def dense_bytes(ckpt: Path, elem: float) -> int:
@@ -167,74 +166,6 @@ class LlamaBench:
         return self._bytes
 
 
-POWERINFER_TIMING = re.compile(r"llama_print_timings: +(prompt eval|eval) time = *([\d.]+) ms / *(\d+) (?:tokens|runs)")
-
-
-def parse_powerinfer_log(stderr: str) -> dict:
-    """What PowerInfer's main prints on stderr -> {"ftype": "mostly F16" | None, "weight_bytes": its "mem required"
-    (MiB) in bytes | None, "prompt eval"/"eval": (seconds, tokens or runs)} (a timing line it did not print: absent)."""
-    ftype = re.search(r"model ftype += (.+)", stderr)
-    memory = re.search(r"mem required += *([\d.]+) MB", stderr)
-    out = {"ftype": ftype.group(1).strip() if ftype else None, "weight_bytes": float(memory.group(1)) * 2**20 if memory else None}
-    out.update({kind: (float(ms) / 1e3, int(count)) for kind, ms, count in POWERINFER_TIMING.findall(stderr)})
-    return out
-
-
-class PowerInfer:
-    """PowerInfer's `main` binary on one of its GGUFs, greedy, EOS ignored. It tokenizes the prompt text itself and
-    times itself: prefill from its "prompt eval time" line, decode from its "eval time" line (sampling excluded)."""
-
-    def __init__(self, binary: Path, path: Path, label: str, text: str, context: int, threads: int):
-        self.binary, self.path, self.label, self.text, self.context, self.threads = binary, path, label, text, context, threads
-        self.name = f"PowerInfer {label} (checkpoint weights + predictors)"
-        self.prompt_tokens, self.weight_bytes = None, None
-
-    def run(self, ids, n):
-        cmd = [str(self.binary), "-m", str(self.path), "-p", self.text, "-n", str(n), "-t", str(self.threads), "-c", str(self.context),
-               "--temp", "0", "--repeat-penalty", "1.0", "--ignore-eos", "--log-disable"]  # fmt: skip
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            last = out.stderr.strip().splitlines()[-1:] or ["no output"]
-            raise SparseforgeError(f"PowerInfer on {self.path} exited with status {out.returncode} ({last[0]}); run the command by hand: {' '.join(cmd[:4])} ...")
-        log = parse_powerinfer_log(out.stderr)
-        if log["ftype"] != POWERINFER_TYPES[self.label][1]:
-            raise SparseforgeError(f"--powerinfer-gguf {self.label}={self.path}: PowerInfer loads it as {log['ftype']!r}; label it with its own type")
-        if "prompt eval" not in log:
-            raise SparseforgeError(f"PowerInfer on {self.path} printed no llama_print_timings lines; is {self.binary} PowerInfer's main?")
-        self.weight_bytes = log["weight_bytes"]
-        prompt_s, self.prompt_tokens = log["prompt eval"]
-        eval_s, runs = log.get("eval", (0.0, 0))
-        # prefill seconds at PowerInfer's own prompt rate for our prompt length (its tokenization may differ)
-        return prompt_s * len(ids) / self.prompt_tokens, runs / eval_s if runs and eval_s else float("nan"), n
-
-    def bytes_per_token(self):
-        return None  # its sparse kernels skip the FFN rows its predictors drop and it does not count them
-
-
-def powerinfer_ggufs(args) -> list[tuple[str, Path]]:
-    """--powerinfer-gguf LABEL=PATH ... checked up front: (label, path) pairs, or [] without --powerinfer."""
-    if args.powerinfer_gguf and not args.powerinfer:
-        raise SparseforgeError("--powerinfer-gguf needs --powerinfer BIN (PowerInfer's main binary)")
-    if not args.powerinfer:
-        return []
-    if not Path(args.powerinfer).is_file():
-        raise SparseforgeError(f"--powerinfer {args.powerinfer}: no such file; build PowerInfer's main target (docs/powerinfer.md)")
-    if not args.powerinfer_gguf:
-        raise SparseforgeError(f"--powerinfer needs --powerinfer-gguf LABEL=PATH (LABEL one of {', '.join(POWERINFER_TYPES)})")
-    out = []
-    for item in args.powerinfer_gguf:
-        label, _, path = item.partition("=")
-        if label not in POWERINFER_TYPES or not path:
-            raise SparseforgeError(f"--powerinfer-gguf {item!r}: give LABEL=PATH with LABEL one of {', '.join(POWERINFER_TYPES)}")
-        if not Path(path).is_file():
-            raise SparseforgeError(f"--powerinfer-gguf {item}: no such file; convert the checkpoint as in docs/benchmarks.md")
-        with open(path, "rb") as f:
-            if f.read(4) != b"PWRI":
-                raise SparseforgeError(f"--powerinfer-gguf {item}: not a PowerInfer GGUF (no PWRI magic); make it with PowerInfer's convert.py")
-        out.append((label, Path(path)))
-    return out
-
-
 def llama_cpp_available() -> bool:
     import importlib.util
 
@@ -263,6 +194,19 @@ def llama_cpp_contestant(args, ckpt: Path, gguf_type: str, position: int, contex
 MODES = ("sparse", "oracle", "screen", "dense")  # sparseforge rows per precision, in table order
 
 
+def also_engines(specs: list[str]) -> list[tuple[Path, str]]:
+    """--also CKPT:MODE values -> (checkpoint, mode); a one-line error for a missing checkpoint or an unknown mode."""
+    out = []
+    for spec in specs:
+        path, _, mode = spec.rpartition(":")
+        if mode not in MODES or not path:
+            raise SparseforgeError(f"--also {spec!r}: give CKPT:MODE with MODE one of {', '.join(MODES)} (e.g. runs/x/checkpoint:screen)")
+        if not (Path(path) / "config.json").is_file():
+            raise SparseforgeError(f"--also {spec!r}: {path} is not a checkpoint directory (no config.json)")
+        out.append((Path(path), mode))
+    return out
+
+
 def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list[tuple[str, Path]]) -> list[tuple[str, object]]:
     """(precision, engine) in table order; `text` is the prompt as text, for PowerInfer's GGUFs `ggufs`."""
     position = args.prompt_tokens + args.new_tokens // 2
@@ -276,6 +220,10 @@ def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list
         if args.reference:  # the original's shape read densely, in the same alternation
             out.append((prec, ref := Sparseforge(Path(args.reference), "dense", dtype, context, args.threads, None, args.head != "full", sampling)))
             ref.name, ref.mode = f"sparseforge dense, {Path(args.reference).parent.name or args.reference} (reference)", "reference"
+        for path, mode in also_engines(args.also):  # another checkpoint's engines, in the same alternation
+            if dtype != "int8" or mode != "screen":
+                out.append((prec, other := Sparseforge(path, mode, dtype, context, args.threads, None, args.head != "full", sampling)))
+                other.name, other.mode = f"{other.name}, {path.parent.name or path} (also)", "also"
         if args.head == "both" and dtype != "int8":  # int8 heads have no screen
             out += [(prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, False, sampling))
                     for mode in ("sparse", "dense") if mode in args.modes]  # fmt: skip
@@ -311,6 +259,9 @@ def main() -> None:
     p.add_argument("--reference", default=None, metavar="CKPT",
                    help="a checkpoint whose dense mode is timed beside, per precision (e.g. one of the original's MLP width for a "
                    "--ckpt converted with neuron halves); every row is also given as a multiple of it (÷ reference)")
+    p.add_argument("--also", nargs="+", default=[], metavar="CKPT:MODE",
+                   help="another checkpoint's engine timed beside, per precision, in the same alternation (e.g. the same recipe "
+                   "trained another way: runs/x/checkpoint:screen); given ÷ reference with --reference")  # fmt: skip
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                    help="sparseforge engine modes to time (sparse needs the checkpoint's predictors; int8 has no screen)")
     p.add_argument("--threads", type=int, default=2, help="threads for every engine and the bandwidth probe")
@@ -348,6 +299,7 @@ def run(args) -> None:
     from transformers import AutoTokenizer
 
     ckpt = Path(args.ckpt)
+    also_engines(args.also)  # checked before anything is loaded
     ggufs = powerinfer_ggufs(args)
     env, bandwidth = setup(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- (?P<kind>table|cli|recipe-keys)(?:: (?P<file>\S+))? -->\n)(?P<body>.*?)(?P<end><!-- end (?P=kind) -->)", re.S)
 RUN_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC, (?P<threads>\d+ thread\(s\)), load average [^;]*; command: (?P<cmd>`.*`)$", re.M)
-ABS_PATH = re.compile(r"(?<![\w.~])/[\w.+-]+(?:/[\w.+-]+)+")
+ABS_PATH = re.compile(r"(?<![\w.~>])/[\w.+-]+(?:/[\w.+-]+)+")
 
 
 def _local_paths(text: str, root: Path) -> str:

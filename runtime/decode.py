@@ -81,7 +81,7 @@ class SfLayer(ctypes.Structure):
         ("fc1", _p), ("s1", _p), ("fc2t", _p), ("s2", _p), ("p_dtype", _i), ("rank", _i), ("p_scratch", _p), ("ids", _p),
         ("bundles", _p), ("b_scales", _p), ("channels", _p), ("b_dtype", _i), ("inter", _i), ("act", _i),
         ("p_threshold", ctypes.c_float), ("act_threshold", ctypes.c_float),
-        ("sg_q", _p), ("sg_s", _p), ("sg_r", _p), ("sg_n", _p), ("su_q", _p), ("su_s", _p), ("su_r", _p), ("su_n", _p), ("sg_scratch", _p),
+        ("sg_q", _p), ("sg_s", _p), ("sg_r", _p), ("sg_n", _p), ("su_q", _p), ("su_s", _p), ("su_r", _p), ("su_n", _p), ("sg_scratch", _p), ("sg_tied", _i),
     ]  # fmt: skip
 
 
@@ -136,8 +136,8 @@ class LeanStep:
             ids = torch.arange(inter) if p is None and screen is None else torch.empty(inter, dtype=torch.long)
             if screen is not None:
                 (L.sg_q, L.sg_s, L.sg_r, L.sg_n, L.su_q, L.su_s, L.su_r, L.su_n), self.screen_row = screen.tables(), screen.row_bytes
-                L.sg_scratch = ptr(screen.scratch)
-                self.screen_bytes += inter * screen.row_bytes  # every neuron's gate screen row, each step
+                L.sg_scratch, L.sg_tied = ptr(screen.scratch), int(screen.tied)
+                self.screen_bytes += screen.rows * screen.row_bytes  # every gate screen row, each step
             self.buffers.append(ids)
             if p is not None:
                 (w1, s1), (w2, s2) = p.fc1, p.fc2t

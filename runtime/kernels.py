@@ -45,7 +45,7 @@ _SIGNATURES = {
     "sf_sparse_mlp": (_int, [_p, _p, _p, _int, _i64, _p, _i64, _p, _int, _f32, _f32, _p, _p, _int]),
     "sf_predict_mlp": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _p, _f32, _p, _p, _p, _p, _p, _p, _int, _i64, _p, _int, _f32, _f32, _p, _p, _p, _int]),
     "sf_gated_act": (_i64, [_p, _i64, _int, _f32, _p]),
-    "sf_mlp_screen": (_i64, [_p, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _p, _int, _f32, _p, _p, _p, _int]),
+    "sf_mlp_screen": (_i64, [_p, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _p, _int, _f32, _p, _p, _p, _int, _int]),
     "sf_attention_decode": (None, [_p, _p, _p, _p, _f32, _i64, _p, _p, _p, _p, _p, _p, _int, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _int]),
     "sf_rms_norm": (None, [_p, _p, _f32, _i64, _p]),
     "sf_decode_layers": (_int, [_p, _i64, _p, _p, _p, _p, _f32, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _int]),
@@ -219,6 +219,26 @@ def predict_mlp_native(fc1: Weights, fc2t: Weights, p_threshold: float, resid: t
     if n < 0:
         raise MemoryError(f"sf_predict_mlp could not allocate its lists for the neurons of a {bundles.shape[0]}-slot unit")
     return n
+
+
+def tied_mlp_torch(bundles: torch.Tensor, scales: torch.Tensor | None, channels: torch.Tensor | None, pairs: torch.Tensor, x: torch.Tensor,
+                   activation: GatedActivation, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mlp_torch over tied halves (runtime/units.py tied_bundles): neurons `pairs` [k] < I/2 and pairs + I/2,
+    computed from one gate and one up product each: h = [act(g, u), act(g, -u)] ([N, 2k]), y = h @ [down_i; down_(I/2+i)].
+    keep: [N, 2k] or None."""
+    half = bundles.shape[0] // 2
+    b = bundles.index_select(0, pairs)  # [k, 3, H]
+    d2 = bundles[:, 2].index_select(0, pairs + half)  # [k, H]: the second halves' down rows only
+    xq = quantize_activations(x) if bundles.dtype == torch.int8 else x
+    b = dequantize(b, None if scales is None else scales.index_select(0, pairs))
+    d2 = dequantize(d2, None if scales is None else scales[:, 2].index_select(0, pairs + half))
+    g = xq @ b[:, 0].T  # [N, k]
+    u = xq @ b[:, 1].T
+    h = torch.cat([activation(g, u), activation(g, -u)], dim=1)
+    if keep is not None:
+        h = torch.where(keep, h, torch.zeros((), dtype=h.dtype))
+    y = h @ torch.cat([b[:, 2], d2])
+    return (y if channels is None else y * channels), h
 
 
 def sparse_mlp_torch(bundles: torch.Tensor, scales: torch.Tensor | None, channels: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor,

@@ -7,7 +7,9 @@ exactly what a one-row sparse step computes. The screen mode chooses neurons the
 the normed MLP input (runtime/screen.py) instead of a predictor, for up to SCREEN_ROWS rows (more, as in prefill,
 compute every neuron as the oracle mode does: their union keeps most). One row with native kernels: the predictor's
 (or screen's) ids, then per part of the unit's request one sf_sparse_mlp call (gate/up dots -> activation -> down
-accumulated into the residual). MoE layers touch only the routed experts.
+accumulated into the residual). MoE layers touch only the routed experts. A resident unit of tied halves
+(runtime/units.py) computes several rows a pair at a time: one gate and one up product give both halves, so a
+prefill does two thirds of the halves' multiplications.
 """
 
 import ctypes
@@ -142,6 +144,8 @@ class SparseMLP:
             self.meter.screen(nbytes)
         if keep is not None and unit.local is not None:  # a hybrid split: its hot neurons are computed on the device
             keep = keep & unit.local
+        if getattr(unit, "tied", False):
+            return self._tied_rows(layer, unit, x, keep)
         neurons = self._computed(unit, None) if keep is None else keep.any(0).nonzero().flatten()
         y = torch.zeros_like(x)
         act, fired = self.model.activations[layer], 0
@@ -155,6 +159,16 @@ class SparseMLP:
             req.release()
         computed = int(keep.sum()) if keep is not None else x.shape[0] * neurons.numel()
         self.meter.mlp(computed, x.shape[0] * _width(unit), fired, 3 * neurons.numel() * row_bytes(unit))
+        return y
+
+    def _tied_rows(self, layer: int, unit, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """_rows over a resident unit of tied halves: the pairs with a chosen half, one gate and one up product each."""
+        half = unit.intermediate // 2
+        pairs = self._all_neurons(half) if keep is None else (keep[:, :half] | keep[:, half:]).any(0).nonzero().flatten()
+        y, h = kernels.tied_mlp_torch(unit.bundles, unit.scales, unit.channels, pairs, x, self.model.activations[layer],
+                                      None if keep is None else torch.cat([keep[:, pairs], keep[:, pairs + half]], dim=1))  # fmt: skip
+        computed = int(keep.sum()) if keep is not None else x.shape[0] * unit.intermediate
+        self.meter.mlp(computed, x.shape[0] * unit.intermediate, int((h != 0).sum()), 4 * pairs.numel() * row_bytes(unit))
         return y
 
     def _computed(self, unit, neurons: torch.Tensor | None) -> torch.Tensor:

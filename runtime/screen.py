@@ -22,6 +22,10 @@ equals the oracle step up to the float order of the kept neurons' sums, with no 
 Per token and unit a native step reads the gate screen of every neuron (H + 12 bytes each), the up screen of the
 neurons the gate screen keeps, and the sparse kernel's rows of the neurons both keep. The screen needs float weights:
 int8 weights are already what it would read (the oracle mode reads every int8 gate row once).
+
+Tied halves (train/tied.py: neuron I/2 + i has neuron i's gate row and minus its up row, exactly, in the engine's
+weight dtype; found at load) are screened a pair at a time: one gate row and one up row bound both halves, since a
+float evaluation of (-u) . x is minus that of u . x, so a step reads half the screen rows for the same ids.
 """
 
 from dataclasses import dataclass, field
@@ -30,6 +34,7 @@ import torch
 
 from sparseforge.errors import SparseforgeError
 from sparseforge.runtime import kernels
+from sparseforge.sparsify.convert import tied_pairs
 from sparseforge.sparsify.hf_code.modeling_sparseforge import GatedActivation
 
 SCREENED = ("relu", "drelu", "shifted_relu", "fatrelu")  # activations a gate bound can prove zero
@@ -60,19 +65,26 @@ class UnitScreen:
     gate: ScreenRows
     up: ScreenRows | None
     activation: GatedActivation
+    tied: bool = False  # tied halves: the rows are the first half's, each bounding neurons i and rows + i
     ids: torch.Tensor = field(init=False)  # int64 [I]: the native screen's kept ids
     up_rows: torch.Tensor = field(init=False)  # int64 [1]: up rows the native screen read (added to)
-    scratch: torch.Tensor = field(init=False)  # float64: the native screen's gate bounds [I], then its flags (I bytes)
+    scratch: torch.Tensor = field(init=False)  # float64: the native screen's gate bounds [rows], then its flags (rows bytes)
 
     def __post_init__(self):
-        rows = self.gate.q.shape[0]
-        self.ids = torch.empty(rows, dtype=torch.long)
+        if self.tied and (self.up is None or self.activation.kind != "drelu"):
+            raise SparseforgeError("a tied screen bounds dReLU halves through their up rows; screen this unit untied")
+        self.ids = torch.empty(self.intermediate, dtype=torch.long)
         self.up_rows = torch.zeros(1, dtype=torch.long)
-        self.scratch = torch.empty(rows + -(-rows // 8), dtype=torch.float64)
+        self.scratch = torch.empty(self.rows + -(-self.rows // 8), dtype=torch.float64)
+
+    @property
+    def rows(self) -> int:
+        """Screened rows per matrix: every neuron's, or each tied pair's one."""
+        return self.gate.q.shape[0]
 
     @property
     def intermediate(self) -> int:
-        return self.gate.q.shape[0]
+        return self.rows * (2 if self.tied else 1)
 
     @property
     def row_bytes(self) -> int:
@@ -117,29 +129,36 @@ def screen_rows(w: torch.Tensor) -> ScreenRows:
     return out
 
 
-def unit_screen(gate: torch.Tensor, up: torch.Tensor, activation: GatedActivation) -> UnitScreen:
+def unit_screen(gate: torch.Tensor, up: torch.Tensor, activation: GatedActivation, tied: bool = False) -> UnitScreen:
     """gate, up: [I, H] in the engine's float weight dtype -> the unit's screen (up rows for dReLU only: the others'
-    up can be negative on a firing neuron)."""
+    up can be negative on a firing neuron). tied: the rows are tied halves (sparsify.convert.tied_pairs; checked), screened by pair."""
     if activation.kind not in SCREENED:
         raise SparseforgeError(f"the screen proves neurons zero from their gate's sign; a {activation.kind} MLP has none to "
                                f"prove ({', '.join(SCREENED)} do): use mode='oracle' or 'sparse'")
-    return UnitScreen(screen_rows(gate), screen_rows(up) if activation.kind == "drelu" else None, activation)
+    if tied:
+        if not tied_pairs(gate, up):
+            raise SparseforgeError("tied screen: the gate and up rows are not tied halves; screen this unit untied")
+        half = gate.shape[0] // 2
+        gate, up = gate[:half], up[:half]
+    return UnitScreen(screen_rows(gate), screen_rows(up) if activation.kind == "drelu" else None, activation, tied)
 
 
 def load_screens(reader, model) -> dict[tuple[int, int], UnitScreen]:
     """Every MLP unit's screen, per (layer, expert), from the checkpoint's gate and up rows in the model's weight
-    dtype."""
+    dtype; a dReLU unit of neuron halves whose pairs are tied there is screened by pair."""
     from sparseforge.runtime.weights import WEIGHT_DTYPES
 
     dtype = WEIGHT_DTYPES[model.weight_dtype]
     if dtype == torch.int8:
         raise SparseforgeError("mode='screen' needs float weights: int8 gate rows are already what a screen reads "
                                "(mode='oracle' reads each once); use weight_dtype float32, bfloat16 or float16")  # fmt: skip
-    out = {}
+    out, halves = {}, bool((model.config.sparsity or {}).get("halves"))
     for i, lw in enumerate(model.weights.layers):
         for e in range(len(lw.units)):
             gate, up, _ = reader.mlp(i, e)
-            out[(i, e)] = unit_screen(gate.to(dtype), up.to(dtype), model.activations[i])
+            gate, up, act = gate.to(dtype), up.to(dtype), model.activations[i]
+            tied = halves and act.kind == "drelu" and tied_pairs(gate, up)
+            out[(i, e)] = unit_screen(gate, up, act, tied)
     return out
 
 
@@ -154,14 +173,15 @@ def screen_native(screen: UnitScreen, x: torch.Tensor, threads: int) -> tuple[to
     before = int(screen.up_rows[0])
     n = kernels.native().sf_mlp_screen(*screen.tables(), screen.intermediate, x.shape[0], x.data_ptr(),
                                        kernels.ACT_CODES[act.kind], act.threshold, screen.ids.data_ptr(),
-                                       screen.up_rows.data_ptr(), screen.scratch.data_ptr(), threads)  # fmt: skip
-    return screen.ids[:n], (screen.intermediate + int(screen.up_rows[0]) - before) * screen.row_bytes
+                                       screen.up_rows.data_ptr(), screen.scratch.data_ptr(), int(screen.tied), threads)  # fmt: skip
+    return screen.ids[:n], (screen.rows + int(screen.up_rows[0]) - before) * screen.row_bytes
 
 
-def _upper(rows: ScreenRows, x: torch.Tensor, xl2: torch.Tensor) -> torch.Tensor:
-    """Upper bounds [N, I] (float64) of every float evaluation of the rows' dot products with x [N, H] float32."""
+def _bounds(rows: ScreenRows, x: torch.Tensor, xl2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(approx, slack) [N, I] (float64): every float evaluation of the rows' dot products with x [N, H] float32 is at
+    most approx + slack, and of the negated rows' at most -approx + slack."""
     approx = (x @ rows.q.float().T).double() * rows.scales.double()  # s fl(Q . x), the product in float64
-    return approx + xl2[:, None] * rows.radius.double() + 2 * _U * approx.abs()
+    return approx, xl2[:, None] * rows.radius.double() + 2 * _U * approx.abs()
 
 
 def screen_torch(screen: UnitScreen, x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -170,12 +190,20 @@ def screen_torch(screen: UnitScreen, x: torch.Tensor) -> tuple[torch.Tensor, int
     x = x.float()
     xl2 = x.double().norm(dim=1) * (1 + 1e-9)
     act = screen.activation
-    g = _upper(screen.gate, x, xl2)
-    keep = ~(g <= (act.threshold if act.kind in ("shifted_relu", "fatrelu") else 0.0))  # NaN keeps the neuron
-    up_rows = int(keep.sum())
+    g = sum(_bounds(screen.gate, x, xl2))
+    gate_keep = ~(g <= (act.threshold if act.kind in ("shifted_relu", "fatrelu") else 0.0))  # NaN keeps the neuron
+    up_rows = int(gate_keep.sum())
+    keep = gate_keep
     if screen.up is not None:
-        u = _upper(screen.up, x, xl2)
-        keep &= ~(u <= 0)
-        if act.kind == "drelu" and act.threshold > 0:  # where keep holds, g > 0 and u > 0: bound the product
-            keep &= ~(g * u * (1 + 1e-9) <= act.threshold)
-    return keep, (x.shape[0] * screen.intermediate + up_rows) * screen.row_bytes
+        approx, slack = _bounds(screen.up, x, xl2)
+        keep = torch.cat([_up_keeps(gate_keep, g, u, act) for u in ([approx + slack, slack - approx] if screen.tied else [approx + slack])], dim=1)
+    return keep, (x.shape[0] * screen.rows + up_rows) * screen.row_bytes
+
+
+def _up_keeps(keep: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: GatedActivation) -> torch.Tensor:
+    """The gate's keep [N, rows] narrowed by the up bounds u [N, rows]: up <= 0, or a product bound at most the
+    threshold, proves the neuron zero."""
+    keep = keep & ~(u <= 0)
+    if act.kind == "drelu" and act.threshold > 0:  # where keep holds, g > 0 and u > 0: bound the product
+        keep &= ~(g * u * (1 + 1e-9) <= act.threshold)
+    return keep

@@ -17,7 +17,9 @@ The engine asks a unit for the neurons it is about to compute:
 `unit.local` is None when every neuron of the MLP is computed through the unit; a hybrid engine's split unit
 (runtime/hybrid.py) sets it to the mask of the neurons the CPU computes (the others are on a device).
 
-`ResidentUnit` (everything in memory, slot = neuron) is the fully resident case. A tiered unit (hot
+`ResidentUnit` (everything in memory, slot = neuron) is the fully resident case; its `tied` says whether its neurons
+are tied halves (neuron I/2 + i: neuron i's gate row, minus its up row; train/tied.py), which several-row steps compute
+a pair at a time (runtime/mlp.py). A tiered unit (hot
 neurons pinned, cold ones behind a cache over disk) implements the same interface. A request never asks
 for more than `capacity` neurons; callers with more (dense prefill under a small budget) split them into
 chunks (in `unit.order(neurons)`) and release each chunk before requesting the next.
@@ -116,6 +118,15 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scales.contiguous()
 
 
+def tied_bundles(bundles: torch.Tensor, scales: torch.Tensor | None) -> bool:
+    """Whether bundles [I, 3, H] (with int8 row scales [I, 3]) are tied halves: neuron I/2 + i has neuron i's gate row
+    and minus its up row, exactly as stored."""
+    from sparseforge.sparsify.convert import tied_pairs
+
+    half = bundles.shape[0] // 2
+    return tied_pairs(bundles[:, 0], bundles[:, 1]) and (scales is None or torch.equal(scales[:half, :2], scales[half:, :2]))
+
+
 class ResidentUnit:
     """All of a unit's neurons in memory; slot j holds neuron j."""
 
@@ -127,6 +138,7 @@ class ResidentUnit:
         self.bundles, self.scales, self.channels = bundles, scales, channels
         self.intermediate, _, self.hidden = bundles.shape
         self.capacity = self.intermediate
+        self.tied = tied_bundles(bundles, scales)
 
     def request(self, neurons: torch.Tensor) -> Request:
         return Request(ready_neurons=neurons, ready_slots=neurons)

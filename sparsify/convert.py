@@ -98,7 +98,14 @@ def split_halves(model) -> None:
             wide.down_proj.bias = torch.nn.Parameter(mlp.down_proj.bias.detach().clone())
         layer.mlp = wide
     model.config.intermediate_size = 2 * model.config.intermediate_size
-    model.config.sparsity = {**sparsity, "halves": True}
+    model.config.sparsity = {**sparsity, "halves": True, "tied_halves": True}  # each pair's gate and up rows one (train/tied.py)
+
+
+def tied_pairs(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether the rows of one MLP's gate and up [2I, ...] are tied halves (train/tied.py): row I + i of gate equals row
+    i, row I + i of up is minus row i, exactly."""
+    half = gate.shape[0] // 2
+    return gate.shape[0] == 2 * half > 0 and torch.equal(gate[:half], gate[half:]) and torch.equal(up[:half], -up[half:])
 
 
 def model_card(source: str, config) -> str:

@@ -132,3 +132,13 @@ def test_the_int8_block_runs_llama_cpp_q4_0_of_the_checkpoint_and_the_original_q
     tensor_bytes = [sum(int(t.n_bytes) for t in gguf.GGUFReader(p).tensors) for p in (q4_0, export.original_smollm2_gguf())]
     assert rows == [(q4_0, "Q4_0 (checkpoint weights)", tensor_bytes[0] + kv),
                     (export.original_smollm2_gguf(), "Q4_1 (original SmolLM2 file)", tensor_bytes[1] + kv)]  # fmt: skip
+
+
+def test_also_engines_are_checked_up_front(decode, tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    assert decode.also_engines([f"{tmp_path}/ckpt:screen", f"{tmp_path}/ckpt:dense"]) == [(tmp_path / "ckpt", "screen"), (tmp_path / "ckpt", "dense")]
+    with pytest.raises(SparseforgeError, match="give CKPT:MODE with MODE one of sparse, oracle, screen, dense"):
+        decode.also_engines([f"{tmp_path}/ckpt"])
+    with pytest.raises(SparseforgeError, match="is not a checkpoint directory"):
+        decode.also_engines([f"{tmp_path}/missing:screen"])

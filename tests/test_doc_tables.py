@@ -18,3 +18,9 @@ def test_docs_tables_match_their_result_files():
     dt = _doc_tables()
     stale = [d.name for d in dt.docs() if dt.render(d.read_text()) != d.read_text()]
     assert not stale, f"stale tables in {stale}; run python benchmarks/doc_tables.py"
+
+
+def test_local_paths(tmp_path):
+    dt = _doc_tables()
+    text = f"--ckpt {tmp_path}/runs/a --gguf /opt/x/m.gguf --bin <build>/bin/main ./rel/path"
+    assert dt._local_paths(text, tmp_path) == "--ckpt runs/a --gguf <m.gguf> --bin <build>/bin/main ./rel/path"

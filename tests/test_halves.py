@@ -18,8 +18,9 @@ from sparseforge.runtime.engine import Engine
 from sparseforge.sparsify.convert import convert_model
 from sparseforge.pipeline import run_pipeline
 from sparseforge.train.layerwise import LayerwiseSettings, distill_layerwise
-from sparseforge.train.loop import _models
+from sparseforge.train.loop import _models, train
 from sparseforge.train.recipe import load_recipe
+from sparseforge.train.tied import tie_halves, untied_layers
 
 
 def test_halves_compute_the_relu_gated_original_with_twice_the_neurons():
@@ -121,3 +122,53 @@ def test_a_run_converts_with_halves_and_trains_them(workspace, tmp_path):
     recipe = load_recipe(None, raw=tiny_recipe(workspace, tmp_path / "r2", model=str(plain), teacher=str(workspace / "dense"), neuron_halves=True))
     with pytest.raises(SparseforgeError, match="was converted without them"):
         _models(recipe)
+
+
+def test_tied_halves_stay_tied_bit_for_bit_through_both_stages_and_a_resume(workspace, tmp_path):
+    def run(out, **overrides):
+        settings = dict(max_steps=4, neuron_halves=True, layerwise_tokens=128, layerwise_epochs=1, layerwise_init="split", target_zeros=0.9,
+                        layerwise_thresholds=True, weight_decay=0.1)  # fmt: skip
+        return load_recipe(None, raw=tiny_recipe(workspace, out, **{**settings, **overrides}))
+
+    assert train(run(tmp_path / "tied", tied_halves=True), progress=False, stop_after=2) is None
+    ckpt = train(run(tmp_path / "tied", tied_halves=True), resume=True, progress=False)
+    tied = load_sparse(ckpt)
+    assert untied_layers(tied) == [] and tied.config.sparsity["tied_halves"] is True
+    start = convert_model(tiny_model("llama"), "drelu", halves=True)
+    assert not torch.equal(tied.model.layers[0].mlp.gate_proj.weight, start.model.layers[0].mlp.gate_proj.weight)  # it trained
+    free = load_sparse(train(run(tmp_path / "free"), progress=False))
+    assert untied_layers(free) == [0, 1] and free.config.sparsity["tied_halves"] is False
+    with pytest.raises(SparseforgeError, match=r"the halves of layer\(s\) \[0, 1\] are not tied"):
+        tie_halves(free)
+    with pytest.raises(SparseforgeError, match="tied halves need a model with neuron halves"):
+        tie_halves(convert_model(tiny_model("llama"), "drelu"))
+    with pytest.raises(SparseforgeError, match="set neuron_halves: true or tied_halves: false"):
+        load_recipe(None, raw=tiny_recipe(workspace, tmp_path / "x", tied_halves=True))
+    with pytest.raises(SparseforgeError, match="layerwise_init split4 chooses quarters"):
+        run(tmp_path / "x", tied_halves=True, layerwise_init="split4")
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16", "int8"])
+def test_tied_halves_prefill_a_pair_at_a_time_as_every_neuron_alone(tmp_path, one_thread, weight_dtype):
+    model = convert_model(tiny_model("llama"), "drelu", halves=True)
+    with torch.no_grad():  # thresholds, so that some halves a pair's product passes are zeroed
+        for layer in model.model.layers:
+            layer.mlp.activation.threshold = 0.01
+    model.config.sparsity["thresholds"] = [0.01] * len(model.model.layers)
+    save_sparse(model, tiny_tokenizer(), tmp_path / "ckpt")
+    ids = torch.tensor(random_windows(3, 12))
+    runs = {}
+    for tied in (True, False):
+        engine = Engine.load(tmp_path / "ckpt", mode="oracle", weight_dtype=weight_dtype, context=32, progress=False)
+        units = [u for lw in engine.model.weights.layers for u in lw.units]
+        assert all(u.tied for u in units)
+        for u in units:
+            u.tied = tied
+        engine.reset_stats()
+        runs[tied] = (engine.forward(ids, engine.new_cache(3)), engine.stats())
+    torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-4, rtol=1e-4)
+    (_, a), (_, b) = runs[True], runs[False]
+    assert a["neurons_fired_fraction"] == pytest.approx(b["neurons_fired_fraction"], abs=1e-6)
+    if weight_dtype == "float32":
+        with torch.no_grad():
+            torch.testing.assert_close(runs[True][0], model(ids).logits, atol=2e-5, rtol=1e-4)

@@ -11,7 +11,7 @@ from sparseforge.runtime import kernels
 from sparseforge.runtime.engine import Engine, GenerationConfig
 from sparseforge.runtime.screen import screen_native, screen_torch, unit_screen
 from sparseforge.runtime.store import tiered_units
-from sparseforge.sparsify.convert import convert_model
+from sparseforge.sparsify.convert import convert_model, tied_pairs
 from sparseforge.sparsify.hf_code.modeling_sparseforge import GatedActivation
 from sparseforge.sparsify.threshold import apply_thresholds, calibrate_thresholds
 
@@ -229,3 +229,51 @@ def test_screen_needs_float_weights_and_a_relu_family_activation(ckpts, tmp_path
     save_sparse(convert_model(tiny_model("llama"), "silu"), tiny_tokenizer(), tmp_path / "silu")
     with pytest.raises(SparseforgeError, match="silu"):
         Engine.load(tmp_path / "silu", mode="screen", progress=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("threshold", [0.0, 0.05])
+def test_a_tied_screen_keeps_the_untied_screens_ids_reading_half_the_rows(dtype, threshold):
+    g = torch.Generator().manual_seed(5)
+    act = GatedActivation("drelu", threshold)
+    gate, up = _rows(101, 72, dtype, g), _rows(101, 72, dtype, g)
+    gate, up = torch.cat([gate, gate]), torch.cat([up, -up])  # tied halves: (g, u) and (g, -u)
+    assert tied_pairs(gate, up) and not tied_pairs(gate, torch.cat([up[:101], up[:101]]))
+    tied, untied = unit_screen(gate, up, act, tied=True), unit_screen(gate, up, act)
+    assert tied.intermediate == untied.intermediate == 202 and tied.rows == 101 and tied.nbytes * 2 == untied.nbytes
+    x = torch.randn(8, 72, generator=g)
+    x[0] = 0.0
+    keep, nbytes = screen_torch(tied, x)
+    want, want_bytes = screen_torch(untied, x)
+    assert torch.equal(keep, want) and 2 * nbytes == want_bytes  # a pair's halves pass the gate screen together
+    fires = act(x @ gate.float().T, x @ up.float().T) != 0
+    assert not (fires & ~keep).any() and int(keep.sum()) < 0.6 * keep.numel()
+    if kernels.native() is not None:
+        for r in range(x.shape[0]):
+            ids, read = screen_native(tied, x[r].contiguous(), 1)
+            want_ids, want_read = screen_native(untied, x[r].contiguous(), 1)
+            assert torch.equal(ids, want_ids) and torch.equal(ids, keep[r].nonzero().flatten())
+            assert 2 * read == want_read
+    with pytest.raises(SparseforgeError, match="not tied halves"):
+        unit_screen(gate, torch.cat([up[:101], up[:101]]), act, tied=True)
+
+
+def test_an_engine_screens_tied_halves_by_pair_and_matches_the_oracle(tmp_path):
+    model = convert_model(tiny_model("llama"), "drelu", halves=True)  # tied as converted
+    save_sparse(model, tiny_tokenizer(), tmp_path / "halves")
+    ids = _ids(t=10)
+    with torch.no_grad():
+        ref = model(ids).logits
+    for native in NATIVE:
+        screen = Engine.load(tmp_path / "halves", mode="screen", context=32, progress=False, native=native)
+        assert all(s.tied for s in screen.model.screens.values())
+        torch.testing.assert_close(_logits(screen, ids[1:], 3), ref[1:], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(_logits(screen, ids, 3), ref, atol=2e-5, rtol=1e-4)
+    with torch.no_grad():  # pairs moved apart: screened neuron by neuron
+        model.model.layers[0].mlp.up_proj.weight[0, 0] += 0.5
+    save_sparse(model, tiny_tokenizer(), tmp_path / "apart")
+    screen = Engine.load(tmp_path / "apart", mode="screen", context=32, progress=False)
+    assert [s.tied for s in screen.model.screens.values()] == [False] + [True] * (len(screen.model.screens) - 1)
+    with torch.no_grad():
+        ref = model(ids).logits
+    torch.testing.assert_close(_logits(screen, ids[1:], 3), ref[1:], atol=2e-5, rtol=1e-4)

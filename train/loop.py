@@ -46,6 +46,7 @@ from sparseforge.train.recipe import Recipe
 from sparseforge.train.schedules import lr_multiplier, ramp
 from sparseforge.train.tokens import check_sources
 from sparseforge.train.thresholds import set_thresholds
+from sparseforge.train.tied import tie_halves, untied_layers
 
 
 class _TiedHeadNote(logging.Filter):
@@ -209,6 +210,9 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
         cpu=r.device == "cpu",
     )
     _configure_deepspeed(accelerator, r)
+    if r.tied_halves and accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
+        raise SparseforgeError(f"tied_halves ties pairs through gradient hooks, which {accelerator.distributed_type.value} partitioning "
+                               "bypasses; train on one device or with DDP, or set tied_halves: false")
     settings = device_settings(device, r.teacher_dtype)
     set_seed(r.seed)
     main = accelerator.is_main_process
@@ -221,6 +225,8 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     log = MetricsLog(run_dir / "metrics.jsonl", main, resume_step)
 
     model, tokenizer, teacher = _models(r)
+    if r.tied_halves:
+        tie_halves(model)
     model.to(device)
     if teacher is not None:
         teacher.to(device).eval().requires_grad_(False)
@@ -356,6 +362,12 @@ def _write_checkpoint(accelerator, objective, tokenizer, r: Recipe, run_dir: Pat
         unwrapped = accelerator.unwrap_model(objective).model
         unwrapped.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
         sparsity = unwrapped.config.sparsity
+        if sparsity.get("halves"):
+            untied = untied_layers(unwrapped)
+            if r.tied_halves and untied:
+                raise SparseforgeError(f"tied_halves: layer(s) {untied[:5]} drifted apart in training (something bypassed the "
+                                       "gradient hooks of train/tied.py); train on one device or with DDP, or set tied_halves: false")
+            sparsity["tied_halves"] = not untied
         sparsity["trained_tokens"] = sparsity.get("trained_tokens", 0) + trained_tokens  # end to end
         sparsity["layerwise_tokens"] = sparsity.get("layerwise_tokens", 0) + r.layerwise_tokens
         source = sparsity.get("source")  # the dense original (convert records it; _models carries it from a sparse start)

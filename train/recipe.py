@@ -68,6 +68,7 @@ class Recipe:
     layerwise_ridge: float = 1e-3  # the init's refit of down: ridge towards the dense down, a fraction of the mean diagonal of H^T H
     layerwise_weights: str = "uniform"  # uniform: plain squared error of the MLP output; stream: each token's weighted by 1 / its stream's mean square after the layer
     neuron_halves: bool = False  # convert each SwiGLU neuron into its two dReLU halves, (g, u, d) and (g, -u, -d): MLPs twice as wide, computing ReGLU until thresholds (sparsify/convert.py)
+    tied_halves: bool = False  # with neuron_halves: each pair keeps one gate row and one up row through training, only the down columns free (train/tied.py)
     layerwise_init: str = "split"  # lsq: per-neuron sign of (up, down), then down by least squares, before Adam; split: the I strongest of the 2I (neuron, sign) halves, then the same refit; split4: of the 4I (neuron, gate sign, up sign) quarters; none: as converted
     target_zeros: float | None = None  # dReLU thresholds set before end-to-end training for this fraction of exact zeros per layer, kept while training (null: none)
     layerwise_thresholds: bool = False  # true: stage 1 sets each layer's target_zeros threshold before refitting it; false: calibrated after stage 1
@@ -177,6 +178,10 @@ def validate(recipe: Recipe) -> Recipe:
         check_halves(r.activation)
         if r.layerwise_init == "lsq":
             raise SparseforgeError("neuron_halves needs every half of a neuron, layerwise_init lsq keeps one; use split, split4 or none")
+    if r.tied_halves and not r.neuron_halves:
+        raise SparseforgeError("recipe key 'tied_halves' ties the pairs of neuron halves; set neuron_halves: true or tied_halves: false")
+    if r.tied_halves and r.layerwise_tokens and r.layerwise_init == "split4":
+        raise SparseforgeError("tied_halves keeps each neuron's pair of halves, layerwise_init split4 chooses quarters; use split or none")
     if r.max_steps and r.warmup_steps > r.max_steps:
         raise SparseforgeError(f"warmup_steps ({r.warmup_steps}) exceeds max_steps ({r.max_steps}); lower warmup_steps")
     if r.target_zeros is not None and not 0 < r.target_zeros < 1:

@@ -821,7 +821,10 @@ int64_t sf_predict_mlp(const void *fc1, const float *s1, const void *fc2t, const
  * up <= 0 or, with a threshold t > 0, bounds the product: relu(g) relu(u) <= G U <= t with G, U the gate and up bounds
  * (float rounding is monotone, so fl(g u) <= t too). The sparse kernel would compute such a neuron as zero. ids (int64 [inter]) receives the other neurons, ascending;
  * returns their count; *up_rows += the up rows screened (those of the neurons the gate did not prove zero). scratch:
- * inter doubles and inter bytes of working space (the gate bounds, the keep flags), so a step allocates nothing. */
+ * rows doubles and rows bytes of working space (the gate bounds, the keep flags), so a step allocates nothing.
+ * tied (dReLU with up tables): the unit's neurons are tied halves (train/tied.py), neuron rows + i with the gate row of
+ * neuron i and minus its up row, rows = inter / 2; the tables hold the first rows only, and one dot of up row i bounds
+ * both halves: (-u) . x <= -s d (Q . q) + r |x|_2 + n |x - d q|_2 (the float evaluation of (-u) . x is minus that of u . x). */
 /* gate_kills for every float gate value g <= hi (compared in double: no rounding of hi) */
 static SF_INLINE int bound_kills(int act, double hi, float t) {
     switch (act) {
@@ -833,8 +836,8 @@ static SF_INLINE int bound_kills(int act, double hi, float t) {
 
 /* gate pass (up = 0): rows NULL, hi[i] = the gate bound of neuron i; up pass: rows = the gate's survivors, hi read */
 static SF_INLINE void screen_pass(const int8_t *Q, const float *s, const float *r, const float *nrm, int64_t hidden, const int64_t *rows,
-                                  int64_t m, const int16_t *xq, double d, double xl2, double dl2, int act, float t, int up, char *keep,
-                                  double *ghi, int nthreads) {
+                                  int64_t m, const int16_t *xq, double d, double xl2, double dl2, int act, float t, int up, int tied,
+                                  char *keep, double *ghi, int nthreads) {
     const int product = up && act == ACT_DRELU && t > 0.0f;
 #pragma omp parallel for schedule(guided) num_threads(threads_for(nthreads, m))
     for (int64_t k0 = 0; k0 < m; k0 += 4) {
@@ -856,6 +859,10 @@ static SF_INLINE void screen_pass(const int8_t *Q, const float *s, const float *
                 keep[k0 + j] = !bound_kills(act, hi, t);  /* NaN keeps the neuron */
             } else {  /* the gate bound is > 0 here; its product with hi > 0, rounded up, against t */
                 keep[k0 + j] = !(hi <= 0.0 || (product && ghi[i] * hi * (1.0 + 1e-9) <= (double)t));
+                if (tied) {  /* bit 0: the half (g, u); bit 1: the half (g, -u) */
+                    double lo = -approx + bound + 1e-9 * (fabs(approx) + bound);
+                    keep[k0 + j] |= (char)(!(lo <= 0.0 || (product && ghi[i] * lo * (1.0 + 1e-9) <= (double)t)) << 1);
+                }
             }
         }
     }
@@ -863,8 +870,10 @@ static SF_INLINE void screen_pass(const int8_t *Q, const float *s, const float *
 
 int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const float *gn, const int8_t *uq, const float *us, const float *ur,
                       const float *un, int64_t inter, int64_t hidden, const float *x, int act, float t, int64_t *ids, int64_t *up_rows,
-                      double *scratch, int nthreads) {
+                      double *scratch, int tied, int nthreads) {
     if (inter <= 0) return 0;
+    tied = tied && uq != NULL && act == ACT_DRELU;
+    const int64_t rows = tied ? inter / 2 : inter;
     int16_t xq[hidden];
     float df;
     quantize_q16(x, hidden, xq, &df);
@@ -875,17 +884,27 @@ int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const 
     }
     const double xl2 = sqrt(ss) * (1.0 + 1e-9), dl2 = sqrt(ds) * (1.0 + 1e-9);
     double *ghi = scratch;
-    char *keep = (char *)(scratch + inter);
-    screen_pass(gq, gs, gr, gn, hidden, NULL, inter, xq, d, xl2, dl2, act, t, 0, keep, ghi, nthreads);
+    char *keep = (char *)(scratch + rows);
+    screen_pass(gq, gs, gr, gn, hidden, NULL, rows, xq, d, xl2, dl2, act, t, 0, 0, keep, ghi, nthreads);
     int64_t n = 0;
-    for (int64_t i = 0; i < inter; i++)
+    for (int64_t i = 0; i < rows; i++)
         if (keep[i]) ids[n++] = i;
     if (uq && n) {
         *up_rows += n;
-        screen_pass(uq, us, ur, un, hidden, ids, n, xq, d, xl2, dl2, act, t, 1, keep, ghi, nthreads);
+        int64_t *pairs = ids;
+        if (tied) {  /* the pair list moves to the upper half of ids, so both halves' ids can be written from the start */
+            memmove(ids + rows, ids, (size_t)n * sizeof(int64_t));
+            pairs = ids + rows;
+        }
+        screen_pass(uq, us, ur, un, hidden, pairs, n, xq, d, xl2, dl2, act, t, 1, tied, keep, ghi, nthreads);
         int64_t m = 0;
         for (int64_t k = 0; k < n; k++)
-            if (keep[k]) ids[m++] = ids[k];
+            if (keep[k] & 1) ids[m++] = pairs[k];
+        if (tied)  /* the write position stays at or below the read position (m <= n + k <= rows + k) */
+            for (int64_t k = 0; k < n; k++) {
+                int64_t i = pairs[k];
+                if (keep[k] & 2) ids[m++] = rows + i;
+            }
         n = m;
     }
     return n;
@@ -990,6 +1009,7 @@ typedef struct {
     const int8_t *su_q;
     const float *su_s, *su_r, *su_n;
     double *sg_scratch; /* the screen's gate bounds and flags (UnitScreen.scratch) */
+    int64_t sg_tied;    /* the screen's tables are of tied halves (sf_mlp_screen) */
 } sf_layer;
 
 static double seconds_now(void) {
@@ -1027,7 +1047,7 @@ int sf_decode_layers(const sf_layer *layers, int64_t n_layers, float *x, float *
                 t2 = seconds_now();
             } else if (L->sg_q) {
                 n = sf_mlp_screen(L->sg_q, L->sg_s, L->sg_r, L->sg_n, L->su_q, L->su_s, L->su_r, L->su_n, L->inter, hidden, xn, (int)L->act,
-                                  L->act_threshold, L->ids, stats + 2, L->sg_scratch, nthreads);
+                                  L->act_threshold, L->ids, stats + 2, L->sg_scratch, (int)L->sg_tied, nthreads);
                 t2 = seconds_now();
             }
             if (sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, n, xn, (int)L->act, L->act_threshold,
