@@ -194,6 +194,11 @@ def llama_cpp_contestant(args, ckpt: Path, gguf_type: str, position: int, contex
 MODES = ("sparse", "oracle", "screen", "dense")  # sparseforge rows per precision, in table order
 
 
+def _label(ckpt: Path) -> str:
+    """A checkpoint's name in a row: its run directory's for RUN/checkpoint, else its own."""
+    return ckpt.resolve().parent.name if ckpt.name == "checkpoint" else ckpt.resolve().name
+
+
 def also_engines(specs: list[str]) -> list[tuple[Path, str]]:
     """--also CKPT:MODE values -> (checkpoint, mode); a one-line error for a missing checkpoint or an unknown mode."""
     out = []
@@ -219,11 +224,11 @@ def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list
             out.append((prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, args.head != "full", sampling)))
         if args.reference:  # the original's shape read densely, in the same alternation
             out.append((prec, ref := Sparseforge(Path(args.reference), "dense", dtype, context, args.threads, None, args.head != "full", sampling)))
-            ref.name, ref.mode = f"sparseforge dense, {Path(args.reference).parent.name or args.reference} (reference)", "reference"
+            ref.name, ref.mode = f"sparseforge dense, {_label(Path(args.reference))} (reference)", "reference"
         for path, mode in also_engines(args.also):  # another checkpoint's engines, in the same alternation
             if dtype != "int8" or mode != "screen":
                 out.append((prec, other := Sparseforge(path, mode, dtype, context, args.threads, None, args.head != "full", sampling)))
-                other.name, other.mode = f"{other.name}, {path.parent.name or path} (also)", "also"
+                other.name, other.mode = f"{other.name}, {_label(path)} (also)", "also"
         if args.head == "both" and dtype != "int8":  # int8 heads have no screen
             out += [(prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, False, sampling))
                     for mode in ("sparse", "dense") if mode in args.modes]  # fmt: skip

@@ -83,6 +83,7 @@ class ColdBundles:
     by neuron id (runtime/units.py's contract)."""
 
     local = None  # the SplitUnit around it says which neurons are its
+    tied = False  # only the cold neurons are held
 
     def __init__(self, layer: int, expert: int, cold_ids: torch.Tensor, bundles: torch.Tensor, scales, channels, intermediate: int):
         self.layer, self.expert = layer, expert
@@ -110,6 +111,7 @@ class SplitUnit:
     def __init__(self, hot: torch.Tensor, gate_up: Linear, down: Linear, inner):
         self.hot, self.gate_up, self.down, self.inner = hot, gate_up, down, inner
         self.layer, self.expert, self.intermediate, self.hidden = inner.layer, inner.expert, inner.intermediate, inner.hidden
+        self.tied = False  # part of the MLP is on the device
         self.local = torch.ones(self.intermediate, dtype=torch.bool)
         self.local[hot] = False
         self.local_ids = self.local.nonzero().flatten()

@@ -144,7 +144,7 @@ class SparseMLP:
             self.meter.screen(nbytes)
         if keep is not None and unit.local is not None:  # a hybrid split: its hot neurons are computed on the device
             keep = keep & unit.local
-        if getattr(unit, "tied", False):
+        if unit.tied:
             return self._tied_rows(layer, unit, x, keep)
         neurons = self._computed(unit, None) if keep is None else keep.any(0).nonzero().flatten()
         y = torch.zeros_like(x)

@@ -66,6 +66,7 @@ class MLPUnit(Protocol):
     channels: torch.Tensor | None  # [H] float32 per-output-channel scales of the int8 down columns, else None
     local: torch.Tensor | None  # bool [I]: the neurons computed through this unit (a hybrid split: the CPU's); None: all
     fixed_slots: torch.Tensor | None  # int64 [I]: each neuron's slot in bundles, always resident (-1: not local); None: ask request
+    tied: bool  # the neurons are tied halves, all resident at slot = neuron, computed a pair at a time by several-row steps
 
     def request(self, neurons: torch.Tensor) -> Request: ...
 

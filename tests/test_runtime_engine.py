@@ -279,7 +279,7 @@ class _PermutedUnit:
         self.bundles, self.scales, self.channels = base.bundles[self.perm].contiguous(), None, None
         self.capacity, self.open, self.released = 16, 0, 0
         self.local = None  # every neuron is computed through this unit
-        self.fixed_slots = None
+        self.fixed_slots, self.tied = None, False
 
     def order(self, neurons):
         return neurons.flip(0)
