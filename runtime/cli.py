@@ -69,8 +69,10 @@ def plan_command(args) -> int:
 
 def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", help="a sparse checkpoint (sparse mode needs its predictors: sparseforge predictors train)")
-    p.add_argument("--mode", choices=("sparse", "dense", "oracle", "screen"), default="sparse",
-                   help="sparse: compute the neurons the predictors select; dense: every neuron (the baseline); oracle: the exact "
+    p.add_argument("--mode", choices=("auto", "sparse", "dense", "oracle", "screen"), default="auto",
+                   help="auto: screen where it applies (a ReLU-family MLP, float weights; not with --fast-memory, --device or "
+                   "--predictor-dtype), else sparse; "
+                   "sparse: compute the neurons the predictors select; dense: every neuron (the baseline); oracle: the exact "
                    "firing mask (computes the gate/up rows to find it; for parity checks); screen: the exact mask without a "
                    "predictor, an int8 copy of the gate/up rows proving most silent neurons zero (float weights; runtime/screen.py)")  # fmt: skip
     p.add_argument("--weight-dtype", choices=DTYPE_CHOICES, default="float32", help="weight dtype the engine computes with (int8: int8 weights, inputs of their dot products quantized per block of 32)")
@@ -266,6 +268,6 @@ def serve_command(args) -> int:
         server = Server(engine, settings)
         key = "API key required" if settings.api_key else "no API key"
         where = f", {args.device} {args.device_memory or '100%'}" if args.device else ""
-        print(f"serving {settings.model_id} ({args.mode}, {args.weight_dtype}{where}) on {server.url} ({key}; Ctrl-C stops)", file=sys.stderr, flush=True)
+        print(f"serving {settings.model_id} ({engine.model.mode}, {args.weight_dtype}{where}) on {server.url} ({key}; Ctrl-C stops)", file=sys.stderr, flush=True)
         server.serve_forever()
     return 0

@@ -1,7 +1,7 @@
 """The decode engine: token ids in, logits and token ids out. It knows nothing about text beyond carrying the
 checkpoint's tokenizer for callers (runtime/chat.py holds the text side).
 
-    engine = Engine.load(ckpt, mode="sparse")          # "sparse" | "oracle" | "dense" | "screen" (runtime/model.py)
+    engine = Engine.load(ckpt)                        # mode "auto" (screen or sparse) | "sparse" | "screen" | "oracle" | "dense" (runtime/model.py)
     cache = engine.new_cache()                        # preallocated KV cache for `context` positions
     logits = engine.forward(ids, cache)               # ids [B, T] -> float32 [B, T, V]; appends to cache
     token = engine.decode(token, cache, config, gen)  # one token of a batch-1 cache -> the next token
@@ -45,7 +45,7 @@ class Engine:
         self.step = Step(model, self.head, self.meter)
 
     @classmethod
-    def load(cls, ckpt: str | Path, mode: str = "sparse", weight_dtype: str = "float32", context: int = 2048, threads: int | None = None,
+    def load(cls, ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float32", context: int = 2048, threads: int | None = None,
              units: Callable | None = None, progress: bool = True, native: bool | None = None, predictor_dtype: str | None = None,
              head_screen: bool | None = None, device: str | None = None, device_memory: str | None = None) -> "Engine":
         """Read a sparse checkpoint. units: optional factory (layer, expert, reader) -> MLPUnit (runtime/weights.py);
@@ -137,7 +137,7 @@ class Engine:
 
 
 @contextlib.contextmanager
-def open_engine(ckpt: str | Path, mode: str = "sparse", weight_dtype: str = "float32", context: int = 2048, threads: int | None = None,
+def open_engine(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float32", context: int = 2048, threads: int | None = None,
                 fast_memory: str | None = None, predictor_dtype: str | None = None, head_screen: bool | None = None,
                 progress: bool = True, device: str | None = None, device_memory: str | None = None) -> Iterator[Engine]:
     """Engine.load, and with `fast_memory` (a size as `sparseforge plan` takes: "300MB", "25%") its MLP units tiered

@@ -1,7 +1,7 @@
 """The loaded model: config, tokenizer, weights (runtime/weights.py), predictors, the lm_head's screen
 (runtime/head.py) and the settings it runs with. Everything a forward step reads; nothing here computes.
 
-    model = load_model(ckpt, mode="sparse")   # "sparse" | "oracle" | "dense"
+    model = load_model(ckpt, mode="auto")   # "auto" | "sparse" | "screen" | "oracle" | "dense"
 
 MLP modes:
 - "dense": every neuron, with plain matmuls over [I, H] matrices (the fair baseline);
@@ -11,6 +11,10 @@ MLP modes:
   neurons; only those are computed;
 - "screen": no predictor: an int8 copy of the gate (and up) rows proves most non-firing neurons zero with a rigorous
   bound, the rest are computed as in "oracle" (equals it up to float rounding; runtime/screen.py).
+
+"auto" is resolved at load (`auto_mode`): "screen" where it applies (every MLP's activation has a gate sign to
+screen, float weights, every neuron resident on the CPU, no predictor dtype asked for), else "sparse". The screen is exact, needs no predictors and
+decoded within noise of them or faster on every checkpoint measured (docs/benchmarks.md).
 """
 
 from collections.abc import Callable
@@ -24,11 +28,12 @@ from sparseforge.files import damaged, read_json
 from sparseforge.runtime import kernels
 from sparseforge.runtime.forward import AttentionShape, attention_shape, rope_tables
 from sparseforge.runtime.head import FLOAT_DTYPES, HeadScreen, screen_bytes
-from sparseforge.runtime.screen import load_screens, screens_nbytes
+from sparseforge.runtime.screen import SCREENED, load_screens, screens_nbytes
 from sparseforge.runtime.weights import ModelWeights, WeightReader, load_unit_predictors, load_weights, predictors_nbytes
 from sparseforge.sparsify.hf_code.modeling_sparseforge import GatedActivation
 
 MODES = ("sparse", "oracle", "dense", "screen")
+AUTO = "auto"  # resolved at load to "screen" or "sparse" (auto_mode)
 
 
 @dataclass
@@ -95,15 +100,15 @@ class Model:
         return tuple(sorted(int(i) for i in ids))
 
 
-def load_model(ckpt: str | Path, mode: str = "sparse", weight_dtype: str = "float32", context: int = 2048, threads: int | None = None,
+def load_model(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float32", context: int = 2048, threads: int | None = None,
                units: Callable | None = None, progress: bool = True, native: bool | None = None, predictor_dtype: str | None = None,
                head_screen: bool | None = None, device: str | None = None, device_memory: str | None = None) -> Model:
     """Read a sparse checkpoint; the arguments are Engine.load's (runtime/engine.py)."""
     from sparseforge.sources import checkpoint_tokenizer
 
     ckpt = Path(ckpt)
-    if mode not in MODES:
-        raise SparseforgeError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    if mode not in (*MODES, AUTO):
+        raise SparseforgeError(f"unknown mode {mode!r}; use one of {', '.join((AUTO, *MODES))}")
     if context < 1:
         raise SparseforgeError(f"context={context} must be at least 1 token")
     if threads is not None:
@@ -112,6 +117,9 @@ def load_model(ckpt: str | Path, mode: str = "sparse", weight_dtype: str = "floa
         torch.set_num_threads(threads)
     threads = threads or torch.get_num_threads()
     config = _load_config(ckpt)
+    if mode == AUTO:
+        mode = auto_mode(config, weight_dtype, tiered=units is not None or device is not None or device_memory is not None,
+                         predictors=predictor_dtype is not None)
     tier = None
     if device is not None or device_memory is not None:
         from sparseforge.runtime.hybrid import DeviceTier, SplitUnits, device_plan, resolve_device
@@ -146,6 +154,15 @@ def load_model(ckpt: str | Path, mode: str = "sparse", weight_dtype: str = "floa
         with torch.inference_mode():
             model.screens = load_screens(reader, model)
     return model
+
+
+def auto_mode(config, weight_dtype: str, tiered: bool = False, predictors: bool = False) -> str:
+    """The mode "auto" runs for a checkpoint's config: "screen" when every MLP's activation is one a gate bound
+    proves zero (runtime/screen.py SCREENED), the weights are float, nothing is tiered (no neuron store, no device
+    tier: their placement plans hold predictors, not screens) and no predictor dtype was asked for (predictors);
+    else "sparse"."""
+    activation = (config.sparsity or {}).get("activation")
+    return "screen" if activation in SCREENED and weight_dtype != "int8" and not tiered and not predictors else "sparse"
 
 
 def _load_config(ckpt: Path):

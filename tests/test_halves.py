@@ -101,7 +101,8 @@ def test_the_recipe_key_refuses_what_it_cannot_split(workspace, tmp_path):
 
     assert recipe(neuron_halves=True).neuron_halves and not recipe().neuron_halves
     with pytest.raises(SparseforgeError, match="neuron_halves needs every half of a neuron, layerwise_init lsq keeps one"):
-        recipe(neuron_halves=True, layerwise_init="lsq")
+        recipe(neuron_halves=True, layerwise_init="lsq", layerwise_tokens=64)
+    assert recipe(neuron_halves=True, layerwise_init="lsq", layerwise_tokens=0).neuron_halves  # no stage 1: no init to refuse
     with pytest.raises(SparseforgeError, match="the activation is relu: use drelu"):
         recipe(neuron_halves=True, activation="relu")
 

@@ -91,7 +91,8 @@ def test_generate_uses_the_chat_template_by_default_and_cuts_at_a_stop_string(ck
 
 
 def test_generate_disk_backed_equals_resident(ckpt, capsys):
-    args = ["generate", str(ckpt), "--prompt", PROMPT, "--raw", "--max-new-tokens", "10", "--ignore-eos", "--no-progress", "--context", "64"]
+    args = ["generate", str(ckpt), "--prompt", PROMPT, "--raw", "--mode", "sparse", "--max-new-tokens", "10", "--ignore-eos", "--no-progress",
+            "--context", "64"]  # fmt: skip
     assert main(args) == 0
     resident = capsys.readouterr().out
     assert main([*args, "--fast-memory", "25%", "--stats"]) == 0
@@ -112,7 +113,7 @@ def test_generate_on_the_device_tier_equals_the_cpu_engine(ckpt, capsys):
 
 def test_chat_keeps_history_until_reset(ckpt, monkeypatch, capsys):
     def reply(messages):
-        return expected_text(ckpt, chat_ids(messages), "sparse", 6, stop_ids=(0,))
+        return expected_text(ckpt, chat_ids(messages), "screen", 6, stop_ids=(0,))  # the default mode, auto, screens a dReLU MLP
 
     first = reply([{"role": "user", "content": "hello"}])
     second = reply([{"role": "user", "content": "hello"}, {"role": "assistant", "content": first}, {"role": "user", "content": "add"}])
@@ -146,7 +147,9 @@ def test_bad_input_is_one_line(ckpt, capsys, extra, message):
 def test_sparse_mode_without_predictors_is_said_in_flags(ckpt, tmp_path, capsys):
     bare = tmp_path / "bare"
     shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("predictors.*"))
-    assert main(["generate", str(bare), "--prompt", PROMPT, "--no-progress"]) == 2
+    assert main(["generate", str(bare), "--prompt", PROMPT, "--raw", "--max-new-tokens", "4", "--no-progress", "--stats"]) == 0
+    assert "mode=screen" in capsys.readouterr().err  # the default, auto, needs no predictors for a dReLU MLP
+    assert main(["generate", str(bare), "--prompt", PROMPT, "--mode", "sparse", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (f"sparseforge generate: error: {bare}/predictors.json does not exist; run `sparseforge predictors train {bare}` first, "
                    "or run without predictors: --mode screen, oracle or dense")  # fmt: skip

@@ -9,6 +9,7 @@ from sparseforge.checkpoint import save_sparse
 from sparseforge.errors import SparseforgeError
 from sparseforge.runtime import kernels
 from sparseforge.runtime.engine import Engine, GenerationConfig
+from sparseforge.runtime.model import auto_mode
 from sparseforge.runtime.screen import screen_native, screen_torch, unit_screen
 from sparseforge.runtime.store import tiered_units
 from sparseforge.sparsify.convert import convert_model, tied_pairs
@@ -229,6 +230,29 @@ def test_screen_needs_float_weights_and_a_relu_family_activation(ckpts, tmp_path
     save_sparse(convert_model(tiny_model("llama"), "silu"), tiny_tokenizer(), tmp_path / "silu")
     with pytest.raises(SparseforgeError, match="silu"):
         Engine.load(tmp_path / "silu", mode="screen", progress=False)
+
+
+def test_auto_mode_screens_where_the_screen_applies_and_uses_the_predictors_elsewhere(ckpts, tmp_path):
+    """mode "auto" (the default): the screen for a ReLU-family MLP with float weights held in memory, needing no
+    predictors and giving the screen's tokens; the predictors for int8 weights, a neuron store and a SiLU MLP."""
+    _, ckpt = ckpts["thresholded"]
+    prompt = tiny_tokenizer()("The quick brown fox jumps")["input_ids"]
+    config = GenerationConfig(max_new_tokens=12)
+    auto = Engine.load(ckpt, context=64, progress=False)
+    assert auto.model.mode == auto.stats()["mode"] == "screen" and auto.model.predictors is None
+    assert list(auto.generate(prompt, config)) == list(Engine.load(ckpt, mode="screen", context=64, progress=False).generate(prompt, config))
+    for weight_dtype in ("bfloat16", "float16"):
+        assert auto_mode(auto.model.config, weight_dtype) == "screen"
+    assert auto_mode(auto.model.config, "int8") == "sparse"
+    assert auto_mode(auto.model.config, "float32", tiered=True) == "sparse"
+    assert auto_mode(auto.model.config, "float32", predictors=True) == "sparse"
+    with pytest.raises(SparseforgeError, match="predictors"):  # int8: the predictors, which this checkpoint lacks
+        Engine.load(ckpt, weight_dtype="int8", progress=False)
+    save_sparse(convert_model(tiny_model("llama"), "silu"), tiny_tokenizer(), tmp_path / "silu")
+    with pytest.raises(SparseforgeError, match="predictors"):
+        Engine.load(tmp_path / "silu", progress=False)
+    with pytest.raises(SparseforgeError, match="unknown mode 'fast'; use one of auto, sparse"):
+        Engine.load(ckpt, mode="fast", progress=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -176,7 +176,7 @@ def validate(recipe: Recipe) -> Recipe:
         from sparseforge.sparsify.convert import check_halves
 
         check_halves(r.activation)
-        if r.layerwise_init == "lsq":
+        if r.layerwise_init == "lsq" and r.layerwise_tokens:  # the init runs in stage 1 only
             raise SparseforgeError("neuron_halves needs every half of a neuron, layerwise_init lsq keeps one; use split, split4 or none")
     if r.tied_halves and not r.neuron_halves:
         raise SparseforgeError("recipe key 'tied_halves' ties the pairs of neuron halves; set neuron_halves: true or tied_halves: false")
