@@ -172,17 +172,19 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def llama_cpp_contestant(args, ckpt: Path, gguf_type: str, position: int, context: int, notes: list[str], reference: bool = False):
-    """llama.cpp on the checkpoint's weights (reference: the --reference checkpoint's) as a GGUF of `gguf_type` (Q4_1:
-    the original SmolLM2 file), or None with a note when neither llama-cpp-python nor --llama-bench is available.
-    Bytes per token: the file's tensor bytes (for F32 and F16 exports the same as dense_bytes) and an F16 KV cache,
-    as llama.cpp keeps it."""
+def llama_cpp_contestant(args, ckpt: Path, gguf_type: str, position: int, context: int, notes: list[str]):
+    """llama.cpp on the weights of --reference when given (the original's width: what a user runs otherwise), else of
+    the checkpoint, as a GGUF of `gguf_type` (Q4_1: the original SmolLM2 file), or None with a note when neither
+    llama-cpp-python nor --llama-bench is available. Bytes per token: the file's tensor bytes (for F32 and F16 exports
+    the same as dense_bytes) and an F16 KV cache, as llama.cpp keeps it."""
     import gguf
+
+    ckpt, weights = (Path(args.reference), "reference") if args.reference else (ckpt, "checkpoint")
 
     if gguf_type == "Q4_1":
         path, label = original_smollm2_gguf(), "Q4_1 (original SmolLM2 file)"
     else:
-        path, label = cached_gguf(ckpt, args.work_dir, gguf_type), f"{gguf_type} ({'reference' if reference else 'checkpoint'} weights)"
+        path, label = cached_gguf(ckpt, args.work_dir, gguf_type), f"{gguf_type} ({weights} weights)"
     bpt = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors) + kv_bytes(ckpt, position, 2)
     if args.llama_bench:
         return LlamaBench(args.llama_bench, path, label, args.threads, bpt)
@@ -236,8 +238,7 @@ def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list
         if hf_dtype is not None and not args.no_hf:
             elem = 4 if hf_dtype == torch.float32 else 2
             out.append((prec, HFGenerate(ckpt, hf_dtype, dense_bytes(ckpt, elem) + kv_bytes(ckpt, position, elem), sampling=sampling)))
-        llama_ckpt = Path(args.reference) if args.reference else ckpt  # the reference: the original's width, what a user runs otherwise
-        llamas = [] if args.no_llama_cpp else [llama_cpp_contestant(args, llama_ckpt, t, position, context, notes, args.reference is not None) for t in gguf_types]
+        llamas = [] if args.no_llama_cpp else [llama_cpp_contestant(args, ckpt, t, position, context, notes) for t in gguf_types]
         out += [(prec, llama) for llama in llamas if llama is not None]
         out += [(prec, PowerInfer(Path(args.powerinfer), path, label, text, context, args.threads)) for label, path in ggufs if POWERINFER_TYPES[label][0] == prec]
     if args.predictor_dtype:

@@ -227,17 +227,23 @@ def tied_mlp_torch(bundles: torch.Tensor, scales: torch.Tensor | None, channels:
     computed from one gate and one up product each: h = [act(g, u), act(g, -u)] ([N, 2k]), y = h @ [down_i; down_(I/2+i)].
     keep: [N, 2k] or None."""
     half = bundles.shape[0] // 2
-    b = bundles.index_select(0, pairs)  # [k, 3, H]
-    d2 = bundles[:, 2].index_select(0, pairs + half)  # [k, H]: the second halves' down rows only
+    xq, b = _gathered(bundles, scales, pairs, x)
+    d2 = dequantize(bundles[:, 2].index_select(0, pairs + half), None if scales is None else scales[:, 2].index_select(0, pairs + half))
+    g, u = xq @ b[:, 0].T, xq @ b[:, 1].T  # [N, k]
+    return _down(torch.cat([activation(g, u), activation(g, -u)], dim=1), torch.cat([b[:, 2], d2]), keep, channels)
+
+
+def _gathered(bundles: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x as the bundles' dot products take it, the slots' bundles [k, 3, H] as floats)."""
     xq = quantize_activations(x) if bundles.dtype == torch.int8 else x
-    b = dequantize(b, None if scales is None else scales.index_select(0, pairs))
-    d2 = dequantize(d2, None if scales is None else scales[:, 2].index_select(0, pairs + half))
-    g = xq @ b[:, 0].T  # [N, k]
-    u = xq @ b[:, 1].T
-    h = torch.cat([activation(g, u), activation(g, -u)], dim=1)
+    return xq, dequantize(bundles.index_select(0, slots), None if scales is None else scales.index_select(0, slots))
+
+
+def _down(h: torch.Tensor, down: torch.Tensor, keep: torch.Tensor | None, channels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y = h @ down [N, H], h), h zeroed where keep is False, y times the channel scales (int8)."""
     if keep is not None:
         h = torch.where(keep, h, torch.zeros((), dtype=h.dtype))
-    y = h @ torch.cat([b[:, 2], d2])
+    y = h @ down
     return (y if channels is None else y * channels), h
 
 
@@ -246,13 +252,5 @@ def sparse_mlp_torch(bundles: torch.Tensor, scales: torch.Tensor | None, channel
     """PyTorch path (and reference): x [N, H] float32, `slots` [k] -> (y [N, H] = h @ down, h [N, k]) with
     h = act(x @ gate.T, x @ up.T), zeroed where keep [N, k] (bool) is False (int8 bundles: x quantized first, down
     columns times the channel scales)."""
-    b = bundles.index_select(0, slots)  # [k, 3, H]
-    xq = quantize_activations(x) if bundles.dtype == torch.int8 else x
-    b = dequantize(b, None if scales is None else scales.index_select(0, slots))
-    g = xq @ b[:, 0].T  # [N, k]
-    u = xq @ b[:, 1].T
-    h = activation(g, u)
-    if keep is not None:
-        h = torch.where(keep, h, torch.zeros((), dtype=h.dtype))
-    y = h @ b[:, 2]
-    return (y if channels is None else y * channels), h
+    xq, b = _gathered(bundles, scales, slots, x)
+    return _down(activation(xq @ b[:, 0].T, xq @ b[:, 1].T), b[:, 2], keep, channels)

@@ -13,8 +13,8 @@ MLP modes:
   bound, the rest are computed as in "oracle" (equals it up to float rounding; runtime/screen.py).
 
 "auto" is resolved at load (`auto_mode`): "screen" where it applies (every MLP's activation has a gate sign to
-screen, float weights, every neuron resident on the CPU, no predictor dtype asked for), else "sparse". The screen is exact, needs no predictors and
-decoded within noise of them or faster on every checkpoint measured (docs/benchmarks.md).
+screen, float weights, every neuron resident on the CPU, no predictor dtype asked for), else "sparse". The screen is exact and needs no
+predictors; where both were timed it decoded at 0.95-1.25x the predictors' speed (docs/runtime.md, "Modes").
 """
 
 from collections.abc import Callable

@@ -126,12 +126,15 @@ def test_the_int8_block_runs_llama_cpp_q4_0_of_the_checkpoint_and_the_original_q
     monkeypatch.setattr(decode, "cached_gguf", lambda c, work, t: q4_0 if (c, t) == (ckpt, "Q4_0") else pytest.fail(t))
     monkeypatch.setattr(decode, "llama_cpp_available", lambda: True)
     monkeypatch.setattr(decode, "LlamaCppPython", lambda path, label, context, threads, bpt: (path, label, bpt))
-    args = argparse.Namespace(work_dir=tmp_path, llama_bench=None, threads=1)
+    args = argparse.Namespace(work_dir=tmp_path, llama_bench=None, threads=1, reference=None)
     rows = [decode.llama_cpp_contestant(args, ckpt, t, 8, 32, []) for t in decode.PRECISIONS["int8"][2]]
     kv = decode.kv_bytes(ckpt, 8, 2)
     tensor_bytes = [sum(int(t.n_bytes) for t in gguf.GGUFReader(p).tensors) for p in (q4_0, export.original_smollm2_gguf())]
     assert rows == [(q4_0, "Q4_0 (checkpoint weights)", tensor_bytes[0] + kv),
                     (export.original_smollm2_gguf(), "Q4_1 (original SmolLM2 file)", tensor_bytes[1] + kv)]  # fmt: skip
+    args.reference = str(ckpt)  # --reference: llama.cpp runs the reference's weights (here the same checkpoint)
+    monkeypatch.setattr(decode, "cached_gguf", lambda c, work, t: q4_0 if (Path(c), t) == (ckpt, "Q4_0") else pytest.fail(t))
+    assert decode.llama_cpp_contestant(args, tmp_path / "other", "Q4_0", 8, 32, [])[1] == "Q4_0 (reference weights)"
 
 
 def test_also_engines_are_checked_up_front(decode, tmp_path):

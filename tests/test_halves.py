@@ -143,8 +143,8 @@ def test_tied_halves_stay_tied_bit_for_bit_through_both_stages_and_a_resume(work
         tie_halves(free)
     with pytest.raises(SparseforgeError, match="tied halves need a model with neuron halves"):
         tie_halves(convert_model(tiny_model("llama"), "drelu"))
-    with pytest.raises(SparseforgeError, match="set neuron_halves: true or tied_halves: false"):
-        load_recipe(None, raw=tiny_recipe(workspace, tmp_path / "x", tied_halves=True))
+    with pytest.raises(SparseforgeError, match="tied halves need a model with neuron halves; set neuron_halves: true"):
+        train(load_recipe(None, raw=tiny_recipe(workspace, tmp_path / "x", tied_halves=True)), progress=False)  # refused before stage 1
     with pytest.raises(SparseforgeError, match="layerwise_init split4 chooses quarters"):
         run(tmp_path / "x", tied_halves=True, layerwise_init="split4")
 

@@ -190,7 +190,7 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     run a long recipe in time-boxed pieces with --resume).
     """
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedType, set_seed
     from tqdm.auto import tqdm
 
     run_dir = Path(r.output_dir)
@@ -210,7 +210,7 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
         cpu=r.device == "cpu",
     )
     _configure_deepspeed(accelerator, r)
-    if r.tied_halves and accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
+    if r.tied_halves and accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
         raise SparseforgeError(f"tied_halves ties pairs through gradient hooks, which {accelerator.distributed_type.value} partitioning "
                                "bypasses; train on one device or with DDP, or set tied_halves: false")
     settings = device_settings(device, r.teacher_dtype)

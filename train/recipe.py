@@ -178,8 +178,6 @@ def validate(recipe: Recipe) -> Recipe:
         check_halves(r.activation)
         if r.layerwise_init == "lsq" and r.layerwise_tokens:  # the init runs in stage 1 only
             raise SparseforgeError("neuron_halves needs every half of a neuron, layerwise_init lsq keeps one; use split, split4 or none")
-    if r.tied_halves and not r.neuron_halves:
-        raise SparseforgeError("recipe key 'tied_halves' ties the pairs of neuron halves; set neuron_halves: true or tied_halves: false")
     if r.tied_halves and r.layerwise_tokens and r.layerwise_init == "split4":
         raise SparseforgeError("tied_halves keeps each neuron's pair of halves, layerwise_init split4 chooses quarters; use split or none")
     if r.max_steps and r.warmup_steps > r.max_steps:
