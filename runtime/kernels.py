@@ -50,7 +50,9 @@ _SIGNATURES = {
     "sf_rms_norm": (None, [_p, _p, _f32, _i64, _p]),
     "sf_decode_layers": (_int, [_p, _i64, _p, _p, _p, _p, _f32, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _int]),
     "sf_head_screen": (_i64, [_p, _int, _i64, _i64, _p, _p, _p, _p, _p, _p, ctypes.c_double, _i64, _p, _p, _p, _int]),
+    "sf_screen_dots": (None, [_p, _i64, _i64, _p, _p, _p]),
     "sf_has_avx2": (_int, []),
+    "sf_has_vnni": (_int, []),
     "sf_has_openmp": (_int, []),
 }
 

@@ -1,6 +1,11 @@
 """The screen mode (runtime/screen.py): its bound never drops a neuron the exact mask keeps, and the engine in screen
 mode gives the oracle's logits and greedy tokens while reading fewer bytes than oracle and dense."""
 
+import ctypes
+import os
+import shutil
+import subprocess
+
 import pytest
 import torch
 from tiny import profiled_checkpoint, tiny_model, tiny_tokenizer
@@ -189,7 +194,9 @@ def test_screen_reads_fewer_bytes_than_oracle_and_dense(ckpts, weight_dtype):
         stats[mode] = engine.stats()
     s = stats["screen"]
     bytes_per_token = {mode: st["bytes_touched_per_decode_token"] for mode, st in stats.items()}
-    assert bytes_per_token["screen"] < bytes_per_token["oracle"] < bytes_per_token["dense"]
+    assert bytes_per_token["screen"] < bytes_per_token["dense"] and bytes_per_token["oracle"] < bytes_per_token["dense"]
+    if weight_dtype == "float32":  # where a quarter or more of the gate rows survive, every int8 up row is read
+        assert bytes_per_token["screen"] < bytes_per_token["oracle"]
     assert s["neurons_fired_fraction"] == pytest.approx(stats["oracle"]["neurons_fired_fraction"], abs=1e-9)
     assert s["neurons_fired_fraction"] <= s["neurons_computed_fraction"] < 1.0
     assert s["resident_weight_bytes"] > stats["oracle"]["resident_weight_bytes"]  # the int8 gate and up copies
@@ -301,3 +308,91 @@ def test_an_engine_screens_tied_halves_by_pair_and_matches_the_oracle(tmp_path):
     with torch.no_grad():
         ref = model(ids).logits
     torch.testing.assert_close(_logits(screen, ids[1:], 3), ref[1:], atol=2e-5, rtol=1e-4)
+
+
+def _assert_exact_screen_dots(lib: ctypes.CDLL) -> None:
+    """Q . q in integers, q = x rounded to int16, for rows and inputs that fill int8 and int16 with both signs."""
+    for hidden in (7, 72, 576, 4200):  # a tail after whole 32-column blocks; the model's; past 2048 columns
+        g = torch.Generator().manual_seed(hidden)
+        q8 = torch.randint(-127, 128, (37, hidden), generator=g, dtype=torch.int8)
+        q8[0], q8[1] = 127, -127
+        for x in (torch.randn(hidden, generator=g), torch.full((hidden,), -3.0), torch.linspace(-1, 1, hidden) ** 3):
+            out, d = torch.empty(37, dtype=torch.long), torch.empty(1)
+            lib.sf_screen_dots(q8.data_ptr(), 37, hidden, x.data_ptr(), out.data_ptr(), d.data_ptr())
+            q = torch.round((x * (torch.tensor(32767.0) / x.abs().max())).clamp(-32767, 32767)).long()
+            assert float(d) == float(x.abs().max() / torch.tensor(32767.0)) and q.abs().max() == 32767
+            assert torch.equal(out, q8.long() @ q), hidden
+
+
+@needs_native
+def test_the_screens_integer_dots_are_exact():
+    _assert_exact_screen_dots(kernels.native())
+
+
+@needs_native
+@pytest.mark.parametrize("flags", [["-mno-avx512bw"], ["-mno-avx512vnni", "-mno-avxvnni"], ["-mno-avx2"]])
+def test_the_screens_integer_dots_are_exact_without_vnni_or_avx2(tmp_path, flags):
+    """The same sums from the kernels built for a CPU without 512-bit VNNI, without VNNI (int16 pair products) or
+    without AVX2 (scalar)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    lib = tmp_path / "k.so"
+    subprocess.run([cc, *kernels.FLAGS, *flags, str(kernels.SOURCE), "-o", str(lib), "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(lib))
+    lib.sf_screen_dots.argtypes = kernels._SIGNATURES["sf_screen_dots"][1]
+    assert lib.sf_has_vnni() in ((0, 256) if flags == ["-mno-avx512bw"] else (0,))
+    assert lib.sf_has_avx2() == (flags[0] != "-mno-avx2")
+    _assert_exact_screen_dots(lib)
+
+
+def _native_bound_keeps(screen, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keep [I], gate survivors [rows]): the native screen's decision for one dReLU row x [H], recomputed here: x rounded to int16 with one float32
+    scale, each row's dot with it exact in int64, the bound in float64 (sparse_kernels.c, sf_mlp_screen)."""
+    m = x.abs().max()
+    inv, d = torch.tensor(32767.0) / m, m / torch.tensor(32767.0)
+    q = torch.round((x * inv).clamp(-32767, 32767)).long()
+    xd, e = x.double(), x.double() - d.double() * q.double()
+    xl2, dl2 = float(xd.square().sum().sqrt()) * (1 + 1e-9), float(e.square().sum().sqrt()) * (1 + 1e-9)
+
+    def bound(rows, sign):
+        a = sign * rows.scales.double() * float(d) * (rows.q.long() @ q).double()
+        b = rows.radius.double() * xl2 + rows.norm.double() * dl2
+        return a + b + 1e-9 * (a.abs() + b)
+
+    g, t = bound(screen.gate, 1), screen.activation.threshold
+    ups = [bound(screen.up, 1)] + ([bound(screen.up, -1)] if screen.tied else [])
+    return torch.cat([(g > 0) & ~((u <= 0) | ((t > 0) & (g * u * (1 + 1e-9) <= t))) for u in ups]), g > 0
+
+
+@needs_native
+@pytest.mark.parametrize("hidden", [72, 576, 4200])  # a tail after whole 32-column blocks; the model's; past 2048 columns
+@pytest.mark.parametrize("tied,threshold", [(False, 0.0), (False, 0.05), (True, 0.05)])
+def test_the_native_screen_sums_exactly_in_integers_on_any_team(hidden, tied, threshold):
+    """Its ids are those of an exact int64 recomputation of its bound, on one thread and on two (the unit's rows
+    split between them), with inputs whose int16 values use both bytes and both signs."""
+    g = torch.Generator().manual_seed(hidden)
+    act = GatedActivation("drelu", threshold)
+    common = torch.randn(hidden, generator=g)  # inputs leaning along it leave few gate rows alive, others about half
+    gate, up = _rows(97, hidden, torch.float32, g) - 0.2 * common, _rows(97, hidden, torch.float32, g) * 0.2
+    if tied:
+        gate, up = torch.cat([gate, gate]), torch.cat([up, -up])
+    screen = unit_screen(gate, up, act, tied=tied)
+    few = 0
+    for r in range(6):
+        x = torch.randn(hidden, generator=g) * 10.0 ** (r % 3 - 1)
+        x[r] *= 40  # an outlier channel: most int16 values then have a small high byte
+        if r % 2:
+            x = x + 0.4 * common * x.norm() / common.norm()
+        keep, gate_keep = _native_bound_keeps(screen, x)
+        want = keep.nonzero().flatten()
+        assert 0 < want.numel() < screen.intermediate
+        for threads in (1, 2):
+            before = int(screen.up_rows[0])
+            ids, _ = screen_native(screen, x.contiguous(), threads)
+            assert torch.equal(ids, want), (threads, r)
+            runs = [gate_keep[screen.rows * k // threads : screen.rows * (k + 1) // threads] for k in range(threads)]
+            read = sum(len(run) if 4 * int(run.sum()) >= len(run) else int(run.sum()) for run in runs)
+            assert int(screen.up_rows[0]) - before == read  # each thread's survivors' up rows, or its every up row
+            few += read < screen.rows
+    assert few >= 3  # both ways of reading the up rows ran

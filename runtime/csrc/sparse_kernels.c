@@ -2,7 +2,10 @@
  *
  * Decode is memory-bandwidth bound, so every kernel streams each weight row it needs exactly once,
  * accumulates in float32, and parallelises over rows/neurons with OpenMP (per-thread accumulators,
- * no atomics). Weights are float32, bfloat16, float16 or int8 with one float32 scale per row (a unit's int8
+ * no atomics). Rows stored one after another (dense matrices, the screens' tables) are read one whole row after
+ * another, a single stream the hardware prefetcher follows; rows gathered from a list (the sparse MLP's neurons)
+ * are read four side by side while the next four are prefetched, since no stream exists there to follow. Each
+ * choice measured faster than the other on its own kind of rows. Weights are float32, bfloat16, float16 or int8 with one float32 scale per row (a unit's int8
  * down columns also with one scale per output channel, applied once to sf_sparse_mlp's sum);
  * activations are float32, except that a dot product with int8 rows quantizes its input vector first
  * (blocks of 32, one float32 scale each, as llama.cpp's Q8_0) and multiplies in integers: converting every
@@ -26,7 +29,8 @@
  *   sf_decode_layers  every layer of one decode step (attention block, then predictor + sparse MLP, or the
  *                  dense MLP) and the final norm in one call, from per-layer argument structs prepared at load.
  *
- * AVX2 + FMA + F16C intrinsics when the compiler targets them, a scalar fallback otherwise.
+ * AVX2 + FMA + F16C intrinsics when the compiler targets them, a scalar fallback otherwise; the screens' integer
+ * dots use AVX-512 or AVX VNNI byte products where the compiler targets them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -222,6 +226,11 @@ static SF_INLINE void axpy4(const float *a, const void *w0, const void *w1, cons
  * quantize_q8: x [n] -> q [n] int8 and d [ceil(n / QK)]: per block of QK (the last may be shorter)
  * d = max|x| / 127, q = round(x * (127 / max|x|)), so |q| <= 127 (maddubs needs |q| < 128). The PyTorch
  * reference (kernels.quantize_activations) computes the same floats. */
+/* fmaxf(m, v) for m not NaN (v NaN gives m), without the library call fmaxf compiles to per element; and the
+ * quantizers round with rintf, which compiles to one instruction, where lrintf is a library call (it may set
+ * errno): the same round-to-nearest-even of values already clamped to the integer range */
+static SF_INLINE float max_of(float m, float v) { return v > m ? v : m; }
+
 #define QK 32
 static SF_INLINE int64_t q8_blocks(int64_t n) { return (n + QK - 1) / QK; }
 
@@ -229,10 +238,10 @@ static void quantize_q8(const float *x, int64_t n, int8_t *q, float *d) {
     for (int64_t b0 = 0; b0 < n; b0 += QK) {
         int64_t e = b0 + QK < n ? b0 + QK : n;
         float m = 0.0f;
-        for (int64_t i = b0; i < e; i++) m = fmaxf(m, fabsf(x[i]));
+        for (int64_t i = b0; i < e; i++) m = max_of(m, fabsf(x[i]));
         float inv = m > 0.0f ? 127.0f / m : 0.0f;
         d[b0 / QK] = m / 127.0f;
-        for (int64_t i = b0; i < e; i++) q[i] = (int8_t)lrintf(x[i] * inv);
+        for (int64_t i = b0; i < e; i++) q[i] = (int8_t)(int32_t)rintf(x[i] * inv);
     }
 }
 
@@ -323,7 +332,9 @@ static SF_INLINE void dot4_x(const char *const *r, const float *x, const int8_t 
 /* y[b * rows + r] = scale[r] * dot(W[r], x[b]) (+ bias[r]) for b < nx. W: [rows, cols] row-major. For int8 W,
  * (q, d) are the nx rows of x quantized: q [nx, cols], d [nx, q8_blocks(cols)]. The blocks of 4 rows are shared
  * among the threads of the enclosing parallel region (matvec_impl opens one; sf_predict calls this inside its own);
- * outside a region one thread does them all. */
+ * outside a region one thread does them all. Each row is read whole before the next, so a thread's run of rows is
+ * one sequential stream: reading four rows side by side (four short streams, dot4) streamed a decode step's rows at
+ * about half the rate on one thread. */
 static SF_INLINE void matvec_rows(const void *W, const float *scales, const float *bias, const int dtype, int64_t rows, int64_t cols,
                                   const float *x, const int8_t *q, const float *d, int64_t nx, float *y) {
     const char *base = (const char *)W;
@@ -331,15 +342,6 @@ static SF_INLINE void matvec_rows(const void *W, const float *scales, const floa
 #pragma omp for schedule(guided)
     for (int64_t blk = 0; blk < blocks; blk++) {
         int64_t r0 = blk * 4;
-        if (nx == 1 && r0 + 4 <= rows) {
-            const char *w = base + r0 * row_bytes;
-            const char *r[4] = {w, w + row_bytes, w + 2 * row_bytes, w + 3 * row_bytes};
-            const char *next[4] = {w + 4 * row_bytes, w + 5 * row_bytes, w + 6 * row_bytes, w + 7 * row_bytes};
-            float o[4];
-            dot4_x(r, x, q, d, cols, dtype, o, r0 + 8 <= rows ? next : NULL);
-            for (int k = 0; k < 4; k++) y[r0 + k] = (scales ? scales[r0 + k] : 1.0f) * o[k] + (bias ? bias[r0 + k] : 0.0f);
-            continue;
-        }
         for (int64_t r = r0; r < r0 + 4 && r < rows; r++) {
             const void *w = base + r * row_bytes;
             float sc = scales ? scales[r] : 1.0f, b = bias ? bias[r] : 0.0f;
@@ -387,80 +389,186 @@ int sf_matvec(const void *W, const float *scales, const float *bias, int dtype, 
 }
 
 /* ---- the greedy token of the lm_head without reading all of it ----
- * One row of matvec_rows' result for nx == 1, computed alone with the same operations in the same order: rows in
- * a full block of 4 go through dot4 (one accumulator per row), the rows after the last full block through dot. */
-static SF_INLINE float head_row(const void *W, const int dtype, int64_t rows, int64_t cols, const float *x, int64_t r) {
-    const char *w = (const char *)W + r * cols * ELEM_SIZE[dtype];
-    float o;
-    if (r < rows - rows % 4) {
-        int64_t i = 0;
-        float s = 0.0f;
-#if SF_AVX2
-        __m256 a = _mm256_setzero_ps();
-        for (; i + 8 <= cols; i += 8) a = _mm256_fmadd_ps(load8(w, i, dtype), _mm256_loadu_ps(x + i), a);
-        s = hsum256(a);
-#endif
-        for (; i < cols; i++) s += load1(w, i, dtype) * x[i];
-        o = s;
-    } else {
-        o = dot(w, x, cols, dtype);
-    }
-    return 1.0f * o + 0.0f; /* matvec_rows' scale and bias terms without scales or bias */
+ * One row of sf_matvec's result for float rows, without scales or bias: the same dot (matvec_rows). */
+static SF_INLINE float head_row(const void *W, const int dtype, int64_t cols, const float *x, int64_t r) {
+    return dot((const char *)W + r * cols * ELEM_SIZE[dtype], x, cols, dtype);
 }
 
 /* x [n] -> q [n] int16 with one scale d (x ~ d q, |q| <= 32767); returns a bound on max_j |x_j - d q_j| */
 static float quantize_q16(const float *x, int64_t n, int16_t *q, float *d) {
     float m = 0.0f;
-    for (int64_t i = 0; i < n; i++) m = fmaxf(m, fabsf(x[i]));
+    for (int64_t i = 0; i < n; i++) m = max_of(m, fabsf(x[i]));
     float inv = m > 0.0f ? 32767.0f / m : 0.0f;
     *d = m / 32767.0f;
     double err = 0.0;
     for (int64_t i = 0; i < n; i++) {
-        float v = fminf(fmaxf(x[i] * inv, -32767.0f), 32767.0f);
-        q[i] = (int16_t)lrintf(v);
-        err = fmax(err, fabs((double)x[i] - (double)*d * (double)q[i]));
+        float v = x[i] * inv;
+        v = v > -32767.0f ? v : -32767.0f, v = v < 32767.0f ? v : 32767.0f;  /* NaN -> -32767, as fmaxf then fminf */
+        q[i] = (int16_t)(int32_t)rintf(v);
+        const double e = fabs((double)x[i] - (double)*d * (double)q[i]);
+        err = e > err ? e : err;
     }
     return (float)(err * (1.0 + 1e-6));
 }
 
-/* out[k] = Q_k . q exactly (int8 rows, int16 vector) for four rows: sign-extended to int16, pairs multiplied and
- * added in int32 lanes (madd) -- a third of the instructions of converting every weight to float, which made the
- * float-input screen compute-bound at ~20 GB/s. Lanes are flushed to int64 every 2048 columns, so no int32 sum can
- * overflow (a lane adds at most 128 pairs of products below 127 x 32767 each). next: prefetched as in dot4. */
-static SF_INLINE void dot4_i8i16(const int8_t *w0, const int8_t *w1, const int8_t *w2, const int8_t *w3, const int16_t *q, int64_t n,
-                                 int64_t *out, const char *const *next) {
-    int64_t s[4] = {0, 0, 0, 0}, i = 0;
-    const int8_t *w[4] = {w0, w1, w2, w3};
+/* x rounded to int16 (quantize_q16) in the form the integer dots read: q itself, and its bytes for VNNI's
+ * unsigned-by-signed byte products, q = 256 hi + lo with lo in [0, 255] and hi in [-128, 127] (|hi| kept apart,
+ * as the unsigned operand; hi's sign goes onto the weights, which are in [-127, 127], so negating them is exact) */
+typedef struct {
+    const int16_t *q;
+    const uint8_t *lo, *ahi;
+    const int8_t *hi;
+    const uint64_t *neg; /* bit j of neg[i / 64]: hi[i + j] < 0, for masked negation in 64-byte steps */
+} q16x;
+
+/* bytes: 3 n scratch (lo, |hi|, hi), neg: n / 64 + 1 words */
+static SF_INLINE q16x split_q16(const int16_t *q, int64_t n, uint8_t *bytes, uint64_t *neg) {
+    uint8_t *lo = bytes, *ahi = bytes + n;
+    int8_t *hi = (int8_t *)(bytes + 2 * n);
+    memset(neg, 0, sizeof(uint64_t) * (size_t)(n / 64 + 1));
+    for (int64_t i = 0; i < n; i++) {
+        int32_t v = q[i], h = v >> 8;  /* arithmetic shift: floor(v / 256) */
+        lo[i] = (uint8_t)(v - 256 * h), hi[i] = (int8_t)h, ahi[i] = (uint8_t)(h < 0 ? -h : h);
+        neg[i / 64] |= (uint64_t)(h < 0) << (i % 64);
+    }
+    return (q16x){q, lo, ahi, hi, neg};
+}
+
+#if SF_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SF_VNNI512 1 /* 64 columns per step in 512-bit registers: half the instructions of 32 per step */
+#else
+#define SF_VNNI512 0
+#endif
+
+#if SF_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SF_VNNI 1
+#define SF_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif SF_AVX2 && defined(__AVXVNNI__)
+#define SF_VNNI 1
+#define SF_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#else
+#define SF_VNNI 0
+#endif
+
+/* the integer dots' widest VNNI step in bits: 512, 256, or 0 (none) */
+int sf_has_vnni(void) { return SF_VNNI512 ? 512 : SF_VNNI ? 256 : 0; }
+
+#ifndef SF_AHEAD
+#define SF_AHEAD 4 /* scattered rows: the row prefetched while one is read is this many rows later in the list */
+#endif
+
 #if SF_AVX2
+static SF_INLINE int64_t hsum_epi32(__m256i v) {
+    int32_t lanes[8];
+    int64_t s = 0;
+    _mm256_storeu_si256((__m256i *)lanes, v);
+    for (int l = 0; l < 8; l++) s += lanes[l];
+    return s;
+}
+#endif
+
+/* Q . q exactly for one int8 row Q and the int16 vector q, summed in int32 lanes flushed to int64 every 2048
+ * columns, so no lane can overflow. With VNNI, 32 columns take one dpbusd per byte of q (Q . lo and Q . hi,
+ * recombined as 256 Q . hi + Q . lo): a lane adds at most 32 steps of 4 products below 255 x 127 each. Without it,
+ * Q is sign-extended to int16 and pairs are multiplied and added in int32 lanes (madd): a lane adds at most 64 pairs
+ * of products below 127 x 32767 each. Either way a fraction of the instructions of converting every weight to
+ * float, which made the float-input screen compute-bound at ~20 GB/s.
+ * One row at a time: rows stored one after another are then read as one sequential stream, which the hardware
+ * prefetcher follows; reading four rows side by side (as dot4 does) made four short streams, and streaming int8
+ * rows of 576 bytes that way read 13 GB/s where one stream read 37. next: a row read after this one (or NULL),
+ * prefetched a cache line per 64 columns, for rows that are not stored one after another. */
+static SF_INLINE int64_t dot_i8i16(const int8_t *w, const q16x *x, int64_t n, const char *next) {
+    int64_t s = 0, i = 0;
+#if SF_VNNI512
+    const __m512i zero = _mm512_setzero_si512();
+    while (i + 64 <= n) {
+        __m512i l0 = zero, l1 = zero, h0 = zero, h1 = zero;
+        const int64_t stop = i + 2048 < n ? i + 2048 : n;
+#define SF_STEP512(L, H, j)                                                                                                  \
+    do {                                                                                                                     \
+        const __m512i wv = _mm512_loadu_si512((const void *)(w + (j)));                                                     \
+        L = _mm512_dpbusd_epi32(L, _mm512_loadu_si512((const void *)(x->lo + (j))), wv);                                    \
+        H = _mm512_dpbusd_epi32(H, _mm512_loadu_si512((const void *)(x->ahi + (j))),                                        \
+                                _mm512_mask_sub_epi8(wv, (__mmask64)x->neg[(j) / 64], zero, wv));                          \
+    } while (0)
+        for (; i + 128 <= stop; i += 128) {
+            if (SF_PREFETCH && next) _mm_prefetch(next + i, _MM_HINT_T0), _mm_prefetch(next + i + 64, _MM_HINT_T0);
+            SF_STEP512(l0, h0, i);
+            SF_STEP512(l1, h1, i + 64);
+        }
+        if (i + 64 <= stop) {
+            if (SF_PREFETCH && next) _mm_prefetch(next + i, _MM_HINT_T0);
+            SF_STEP512(l0, h0, i);
+            i += 64;
+        }
+#undef SF_STEP512
+        /* as below: 256 |h| + |l| < 2^31 per lane, then summed in int64 */
+        const __m512i v = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
+        s += _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(v)),
+                                                      _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1))));
+    }
+#endif
+#if SF_VNNI
+    while (i + 32 <= n) {
+        __m256i l0 = _mm256_setzero_si256(), l1 = l0, h0 = l0, h1 = l0;
+        const int64_t stop = i + 2048 < n ? i + 2048 : n;
+#define SF_STEP(L, H, j)                                                                                                         \
+    do {                                                                                                                         \
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (j)));                                                      \
+        L = SF_DPBUSD(L, _mm256_loadu_si256((const __m256i *)(x->lo + (j))), wv);                                               \
+        H = SF_DPBUSD(H, _mm256_loadu_si256((const __m256i *)(x->ahi + (j))), _mm256_sign_epi8(wv, _mm256_loadu_si256((const __m256i *)(x->hi + (j))))); \
+    } while (0)
+        for (; i + 64 <= stop; i += 64) {
+            if (SF_PREFETCH && next) _mm_prefetch(next + i, _MM_HINT_T0);
+            SF_STEP(l0, h0, i);
+            SF_STEP(l1, h1, i + 32);
+        }
+        if (i + 32 <= stop) {
+            if (SF_PREFETCH && next) _mm_prefetch(next + i, _MM_HINT_T0);
+            SF_STEP(l0, h0, i);
+            i += 32;
+        }
+#undef SF_STEP
+        /* 256 |h| + |l| < 2^31 per lane (at most 32 steps in each accumulator): one int32 vector, summed in int64 */
+        const __m256i v = _mm256_add_epi32(_mm256_slli_epi32(_mm256_add_epi32(h0, h1), 8), _mm256_add_epi32(l0, l1));
+        __m256i w64 = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(v)), _mm256_cvtepi32_epi64(_mm256_extracti128_si256(v, 1)));
+        __m128i w2 = _mm_add_epi64(_mm256_castsi256_si128(w64), _mm256_extracti128_si256(w64, 1));
+        s += _mm_cvtsi128_si64(w2) + _mm_extract_epi64(w2, 1);
+    }
+#elif SF_AVX2
     while (i + 16 <= n) {
-        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-        int64_t stop = i + 2048 < n ? i + 2048 : n;
-        for (; i + 16 <= stop; i += 16) {
-            if (SF_PREFETCH && next && (i & 63) == 0) {
-                _mm_prefetch(next[0] + i, _MM_HINT_T0);
-                _mm_prefetch(next[1] + i, _MM_HINT_T0);
-                _mm_prefetch(next[2] + i, _MM_HINT_T0);
-                _mm_prefetch(next[3] + i, _MM_HINT_T0);
-            }
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(q + i));
-            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w0 + i))), xv));
-            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w1 + i))), xv));
-            a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w2 + i))), xv));
-            a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w3 + i))), xv));
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+        const int64_t stop = i + 2048 < n ? i + 2048 : n;
+        for (; i + 32 <= stop; i += 32) {
+            if (SF_PREFETCH && next && (i & 63) == 0) _mm_prefetch(next + i, _MM_HINT_T0);
+            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + i))),
+                                                        _mm256_loadu_si256((const __m256i *)(x->q + i))));
+            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + i + 16))),
+                                                        _mm256_loadu_si256((const __m256i *)(x->q + i + 16))));
         }
-        __m256i acc[4] = {a0, a1, a2, a3};
-        for (int k = 0; k < 4; k++) {
-            int32_t lanes[8];
-            _mm256_storeu_si256((__m256i *)lanes, acc[k]);
-            for (int l = 0; l < 8; l++) s[k] += lanes[l];
+        if (i + 16 <= stop) {
+            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + i))),
+                                                        _mm256_loadu_si256((const __m256i *)(x->q + i))));
+            i += 16;
         }
+        s += hsum_epi32(a0) + hsum_epi32(a1);
     }
 #else
     (void)next;
 #endif
-    for (; i < n; i++)
-        for (int k = 0; k < 4; k++) s[k] += (int64_t)w[k][i] * q[i];
-    for (int k = 0; k < 4; k++) out[k] = s[k];
+    for (; i < n; i++) s += (int64_t)w[i] * x->q[i];
+    return s;
+}
+
+/* out[r] = Q_r . q for every row r of Q [rows, n], q = x rounded by quantize_q16 (the screens' integer dots, for
+ * tests against an exact recomputation); *d receives q's scale */
+void sf_screen_dots(const int8_t *Q, int64_t rows, int64_t n, const float *x, int64_t *out, float *d) {
+    int16_t xq[n];
+    uint8_t xb[3 * n];
+    uint64_t xneg[n / 64 + 1];
+    quantize_q16(x, n, xq, d);
+    const q16x xs = split_q16(xq, n, xb, xneg);
+    for (int64_t r = 0; r < rows; r++) out[r] = dot_i8i16(Q + r * n, &xs, n, NULL);
 }
 
 /* a min-heap of the k largest values pushed so far: h[0] is the smallest of them, *n how many it holds (<= k) */
@@ -518,6 +626,9 @@ static SF_INLINE int64_t head_screen_impl(const void *W, const int dtype, int64_
     int16_t xq[cols];  /* one row, on the stack as in the other kernels' quantized inputs */
     float d;
     const float e = quantize_q16(x, cols, xq, &d);
+    uint8_t xb[3 * cols];
+    uint64_t xneg[cols / 64 + 1];
+    const q16x xs = split_q16(xq, cols, xb, xneg);
     float best_lo = -INFINITY, top[topk > 0 ? topk : 1];  /* greedy: the largest lower bound; top-k: the k largest */
     double best_score = -INFINITY;                          /* sampling: the largest lower bound of the scores */
     int64_t ntop = 0;
@@ -530,19 +641,8 @@ static SF_INLINE int64_t head_screen_impl(const void *W, const int dtype, int64_
 #pragma omp for schedule(guided) nowait
         for (int64_t blk = 0; blk < blocks; blk++) {
             int64_t r0 = blk * 4;
-            const int8_t *w = Q + r0 * cols;
-            int64_t o[4];
-            if (r0 + 4 <= rows) {
-                const char *next[4] = {(const char *)(w + 4 * cols), (const char *)(w + 5 * cols), (const char *)(w + 6 * cols),
-                                       (const char *)(w + 7 * cols)};
-                dot4_i8i16(w, w + cols, w + 2 * cols, w + 3 * cols, xq, cols, o, r0 + 8 <= rows ? next : NULL);
-            } else {  /* the last rows: the same exact sums, repeating the last row where there are fewer than 4 */
-                const int8_t *last = Q + (rows - 1) * cols;
-                dot4_i8i16(w, r0 + 1 < rows ? w + cols : last, r0 + 2 < rows ? w + 2 * cols : last, r0 + 3 < rows ? w + 3 * cols : last, xq,
-                           cols, o, NULL);
-            }
             for (int64_t r = r0; r < r0 + 4 && r < rows; r++) {
-                approx[r] = qs[r] * d * (float)o[r - r0];
+                approx[r] = qs[r] * d * (float)dot_i8i16(Q + r * cols, &xs, cols, NULL);
                 const float b = radius[r] * l1 + qabs[r] * e;
                 if (noise)
                     score = fmax(score, score_bound(approx[r], b, noise[r], t, 0));
@@ -566,7 +666,7 @@ static SF_INLINE int64_t head_screen_impl(const void *W, const int dtype, int64_
     }
     /* the candidates' exact logits: a few rows as a rule (one thread), many for top-k or degenerate inputs (x = 0) */
 #pragma omp parallel for schedule(static) num_threads(n > 256 ? (nthreads < 1 ? 1 : nthreads) : 1)
-    for (int64_t k = 0; k < n; k++) approx[cand[k]] = head_row(W, dtype, rows, cols, x, cand[k]);
+    for (int64_t k = 0; k < n; k++) approx[cand[k]] = head_row(W, dtype, cols, x, cand[k]);
     *ncand = n;
     if (noise || topk) return -1;
     int64_t arg = n ? cand[0] : 0;
@@ -834,38 +934,19 @@ static SF_INLINE int bound_kills(int act, double hi, float t) {
     }
 }
 
-/* gate pass (up = 0): rows NULL, hi[i] = the gate bound of neuron i; up pass: rows = the gate's survivors, hi read */
-static SF_INLINE void screen_pass(const int8_t *Q, const float *s, const float *r, const float *nrm, int64_t hidden, const int64_t *rows,
-                                  int64_t m, const int16_t *xq, double d, double xl2, double dl2, int act, float t, int up, int tied,
-                                  char *keep, double *ghi, int nthreads) {
-    const int product = up && act == ACT_DRELU && t > 0.0f;
-#pragma omp parallel for schedule(guided) num_threads(threads_for(nthreads, m))
-    for (int64_t k0 = 0; k0 < m; k0 += 4) {
-        const int8_t *w[4];
-        const char *next[4] = {NULL, NULL, NULL, NULL};
-        for (int j = 0; j < 4; j++) {
-            int64_t a = k0 + j < m ? k0 + j : k0, b = k0 + 4 + j < m ? k0 + 4 + j : k0 + 4;  /* a short block repeats its first row */
-            w[j] = Q + (rows ? rows[a] : a) * hidden;
-            if (k0 + 4 < m) next[j] = (const char *)(Q + (rows ? rows[b] : b) * hidden);
-        }
-        int64_t o[4];
-        dot4_i8i16(w[0], w[1], w[2], w[3], xq, hidden, o, k0 + 4 < m ? next : NULL);
-        for (int j = 0; j < 4 && k0 + j < m; j++) {
-            int64_t i = rows ? rows[k0 + j] : k0 + j;
-            double approx = (double)s[i] * d * (double)o[j], bound = (double)r[i] * xl2 + (double)nrm[i] * dl2;
-            double hi = approx + bound + 1e-9 * (fabs(approx) + bound);  /* the double products' rounding, generously */
-            if (!up) {
-                ghi[i] = hi;
-                keep[k0 + j] = !bound_kills(act, hi, t);  /* NaN keeps the neuron */
-            } else {  /* the gate bound is > 0 here; its product with hi > 0, rounded up, against t */
-                keep[k0 + j] = !(hi <= 0.0 || (product && ghi[i] * hi * (1.0 + 1e-9) <= (double)t));
-                if (tied) {  /* bit 0: the half (g, u); bit 1: the half (g, -u) */
-                    double lo = -approx + bound + 1e-9 * (fabs(approx) + bound);
-                    keep[k0 + j] |= (char)(!(lo <= 0.0 || (product && ghi[i] * lo * (1.0 + 1e-9) <= (double)t)) << 1);
-                }
-            }
-        }
-    }
+/* the upper bound of a screened row's float dot product from its exact integer dot o (the comment above), or with
+ * negate of minus that row's (a tied half's up row: the float evaluation of (-u) . x is minus that of u . x) */
+static SF_INLINE double row_bound(double o, float s, float r, float nrm, double d, double xl2, double dl2, int negate) {
+    double a = (negate ? -(double)s : (double)s) * d * o, b = (double)r * xl2 + (double)nrm * dl2;
+    return a + b + 1e-9 * (fabs(a) + b);  /* the double products' rounding, generously */
+}
+
+/* keep flags of the up pass for one gate survivor: its up bound hi (and for tied halves, the bound lo of minus the
+ * up row) against 0, and with a product threshold t > 0 the product with the gate bound g (> 0 here), rounded up */
+static SF_INLINE char up_keep(double g, double hi, double lo, int product, int tied, float t) {
+    char k = !(hi <= 0.0 || (product && g * hi * (1.0 + 1e-9) <= (double)t));
+    if (tied) k |= (char)(!(lo <= 0.0 || (product && g * lo * (1.0 + 1e-9) <= (double)t)) << 1);
+    return k;
 }
 
 int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const float *gn, const int8_t *uq, const float *us, const float *ur,
@@ -874,40 +955,61 @@ int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const 
     if (inter <= 0) return 0;
     tied = tied && uq != NULL && act == ACT_DRELU;
     const int64_t rows = tied ? inter / 2 : inter;
+    const int product = uq != NULL && act == ACT_DRELU && t > 0.0f;
     int16_t xq[hidden];
+    uint8_t xb[3 * hidden];
+    uint64_t xneg[hidden / 64 + 1];
     float df;
     quantize_q16(x, hidden, xq, &df);
+    const q16x xs = split_q16(xq, hidden, xb, xneg);
     double ss = 0.0, ds = 0.0, d = df;
     for (int64_t i = 0; i < hidden; i++) {
         double e = (double)x[i] - d * xq[i];
         ss += (double)x[i] * x[i], ds += e * e;
     }
     const double xl2 = sqrt(ss) * (1.0 + 1e-9), dl2 = sqrt(ds) * (1.0 + 1e-9);
-    double *ghi = scratch;
-    char *keep = (char *)(scratch + rows);
-    screen_pass(gq, gs, gr, gn, hidden, NULL, rows, xq, d, xl2, dl2, act, t, 0, 0, keep, ghi, nthreads);
-    int64_t n = 0;
-    for (int64_t i = 0; i < rows; i++)
-        if (keep[i]) ids[n++] = i;
-    if (uq && n) {
-        *up_rows += n;
-        int64_t *pairs = ids;
-        if (tied) {  /* the pair list moves to the upper half of ids, so both halves' ids can be written from the start */
-            memmove(ids + rows, ids, (size_t)n * sizeof(int64_t));
-            pairs = ids + rows;
+    double *ghi = scratch;                 /* [rows]: the gate bound of each gate survivor */
+    char *keep = (char *)(scratch + rows); /* [rows]: bit 0 the neuron (g, u), bit 1 its tied half (g, -u) */
+    int64_t screened = 0;
+    /* one region per unit: each thread screens a fixed run of gate rows, then the up rows of its own survivors
+     * (listed in its run of ids, which it owns until the region ends), so no thread waits between the passes */
+#pragma omp parallel num_threads(threads_for(nthreads, rows)) reduction(+ : screened)
+    {
+        int me = 0, team = 1;
+#ifdef _OPENMP
+        me = omp_get_thread_num(), team = omp_get_num_threads();
+#endif
+        const int64_t a = rows * me / team, b = rows * (me + 1) / team;
+        int64_t *mine = ids + a, n = 0;
+        for (int64_t i = a; i < b; i++) {
+            const double hi = row_bound((double)dot_i8i16(gq + i * hidden, &xs, hidden, NULL), gs[i], gr[i], gn[i], d, xl2, dl2, 0);
+            keep[i] = (char)!bound_kills(act, hi, t);  /* NaN keeps the neuron */
+            ghi[i] = hi, mine[n] = i, n += keep[i];  /* branch-free: about half the rows survive, unpredictably */
         }
-        screen_pass(uq, us, ur, un, hidden, pairs, n, xq, d, xl2, dl2, act, t, 1, tied, keep, ghi, nthreads);
-        int64_t m = 0;
-        for (int64_t k = 0; k < n; k++)
-            if (keep[k] & 1) ids[m++] = pairs[k];
-        if (tied)  /* the write position stays at or below the read position (m <= n + k <= rows + k) */
-            for (int64_t k = 0; k < n; k++) {
-                int64_t i = pairs[k];
-                if (keep[k] & 2) ids[m++] = rows + i;
+        if (uq && 4 * n >= b - a) {  /* many survivors: every up row of the run, read as one stream */
+            for (int64_t i = a; i < b; i++) {
+                const double o = (double)dot_i8i16(uq + i * hidden, &xs, hidden, NULL), hi = row_bound(o, us[i], ur[i], un[i], d, xl2, dl2, 0);
+                keep[i] = (char)(-keep[i] & up_keep(ghi[i], hi, tied ? row_bound(o, us[i], ur[i], un[i], d, xl2, dl2, 1) : 0.0, product, tied, t));
             }
-        n = m;
+            n = b - a;
+        } else if (uq) {  /* few: only theirs, scattered, each prefetched SF_AHEAD rows ahead */
+            for (int64_t k = 0; k < n; k++) {
+                const int64_t i = mine[k];
+                const char *next = k + SF_AHEAD < n ? (const char *)(uq + mine[k + SF_AHEAD] * hidden) : NULL;
+                const double o = (double)dot_i8i16(uq + i * hidden, &xs, hidden, next), hi = row_bound(o, us[i], ur[i], un[i], d, xl2, dl2, 0);
+                keep[i] = up_keep(ghi[i], hi, tied ? row_bound(o, us[i], ur[i], un[i], d, xl2, dl2, 1) : 0.0, product, tied, t);
+            }
+        } else {
+            n = 0;
+        }
+        screened += n;
     }
-    return n;
+    *up_rows += screened;
+    int64_t m = 0;
+    for (int64_t i = 0; i < rows; i++) ids[m] = i, m += keep[i] & 1;  /* branch-free, as the survivors above */
+    if (tied)
+        for (int64_t i = 0; i < rows; i++) ids[m] = rows + i, m += (keep[i] >> 1) & 1;
+    return m;
 }
 
 static void rms_norm(const float *x, const float *w, float eps, int64_t n, float *out) {
