@@ -20,10 +20,7 @@ too), is zero in the exact-mask (oracle) forward too; the others go to the spars
 equals the oracle step up to the float order of the kept neurons' sums, with no predictor and no training.
 
 Per token and unit a native step reads the gate screen of every neuron (H + 12 bytes each), the up screen of the
-neurons the gate screen keeps, and the sparse kernel's rows of the neurons both keep. Each thread screens a fixed run
-of rows; where a quarter or more of its run passes the gate screen, it reads every up row of the run as one
-sequential stream instead of gathering the survivors' (a trained checkpoint's gate screen keeps about 45 %, and
-gathering 60 % of 576-byte rows took over twice as long as reading them all in order). The screen needs float weights:
+neurons the gate screen keeps, and the sparse kernel's rows of the neurons both keep. The screen needs float weights:
 int8 weights are already what it would read (the oracle mode reads every int8 gate row once).
 
 Tied halves (train/tied.py: neuron I/2 + i has neuron i's gate row and minus its up row, exactly, in the engine's

@@ -194,9 +194,7 @@ def test_screen_reads_fewer_bytes_than_oracle_and_dense(ckpts, weight_dtype):
         stats[mode] = engine.stats()
     s = stats["screen"]
     bytes_per_token = {mode: st["bytes_touched_per_decode_token"] for mode, st in stats.items()}
-    assert bytes_per_token["screen"] < bytes_per_token["dense"] and bytes_per_token["oracle"] < bytes_per_token["dense"]
-    if weight_dtype == "float32":  # where a quarter or more of the gate rows survive, every int8 up row is read
-        assert bytes_per_token["screen"] < bytes_per_token["oracle"]
+    assert bytes_per_token["screen"] < bytes_per_token["oracle"] < bytes_per_token["dense"]
     assert s["neurons_fired_fraction"] == pytest.approx(stats["oracle"]["neurons_fired_fraction"], abs=1e-9)
     assert s["neurons_fired_fraction"] <= s["neurons_computed_fraction"] < 1.0
     assert s["resident_weight_bytes"] > stats["oracle"]["resident_weight_bytes"]  # the int8 gate and up copies
@@ -373,17 +371,13 @@ def test_the_native_screen_sums_exactly_in_integers_on_any_team(hidden, tied, th
     split between them), with inputs whose int16 values use both bytes and both signs."""
     g = torch.Generator().manual_seed(hidden)
     act = GatedActivation("drelu", threshold)
-    common = torch.randn(hidden, generator=g)  # inputs leaning along it leave few gate rows alive, others about half
-    gate, up = _rows(97, hidden, torch.float32, g) - 0.2 * common, _rows(97, hidden, torch.float32, g) * 0.2
+    gate, up = _rows(97, hidden, torch.float32, g), _rows(97, hidden, torch.float32, g) * 0.2
     if tied:
         gate, up = torch.cat([gate, gate]), torch.cat([up, -up])
     screen = unit_screen(gate, up, act, tied=tied)
-    few = 0
     for r in range(6):
         x = torch.randn(hidden, generator=g) * 10.0 ** (r % 3 - 1)
         x[r] *= 40  # an outlier channel: most int16 values then have a small high byte
-        if r % 2:
-            x = x + 0.4 * common * x.norm() / common.norm()
         keep, gate_keep = _native_bound_keeps(screen, x)
         want = keep.nonzero().flatten()
         assert 0 < want.numel() < screen.intermediate
@@ -391,8 +385,4 @@ def test_the_native_screen_sums_exactly_in_integers_on_any_team(hidden, tied, th
             before = int(screen.up_rows[0])
             ids, _ = screen_native(screen, x.contiguous(), threads)
             assert torch.equal(ids, want), (threads, r)
-            runs = [gate_keep[screen.rows * k // threads : screen.rows * (k + 1) // threads] for k in range(threads)]
-            read = sum(len(run) if 4 * int(run.sum()) >= len(run) else int(run.sum()) for run in runs)
-            assert int(screen.up_rows[0]) - before == read  # each thread's survivors' up rows, or its every up row
-            few += read < screen.rows
-    assert few >= 3  # both ways of reading the up rows ran
+            assert int(screen.up_rows[0]) - before == int(gate_keep.sum())  # up rows read: the gate's survivors

@@ -972,7 +972,8 @@ int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const 
     char *keep = (char *)(scratch + rows); /* [rows]: bit 0 the neuron (g, u), bit 1 its tied half (g, -u) */
     int64_t screened = 0;
     /* one region per unit: each thread screens a fixed run of gate rows, then the up rows of its own survivors
-     * (listed in its run of ids, which it owns until the region ends), so no thread waits between the passes */
+     * (listed in its run of ids, which it owns until the region ends), so no thread waits between the passes.
+     * Reading every up row of a run in order instead, where many survive, was no faster in a decode step. */
 #pragma omp parallel num_threads(threads_for(nthreads, rows)) reduction(+ : screened)
     {
         int me = 0, team = 1;
@@ -986,21 +987,12 @@ int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const 
             keep[i] = (char)!bound_kills(act, hi, t);  /* NaN keeps the neuron */
             ghi[i] = hi, mine[n] = i, n += keep[i];  /* branch-free: about half the rows survive, unpredictably */
         }
-        if (uq && 4 * n >= b - a) {  /* many survivors: every up row of the run, read as one stream */
-            for (int64_t i = a; i < b; i++) {
-                const double o = (double)dot_i8i16(uq + i * hidden, &xs, hidden, NULL), hi = row_bound(o, us[i], ur[i], un[i], d, xl2, dl2, 0);
-                keep[i] = (char)(-keep[i] & up_keep(ghi[i], hi, tied ? row_bound(o, us[i], ur[i], un[i], d, xl2, dl2, 1) : 0.0, product, tied, t));
-            }
-            n = b - a;
-        } else if (uq) {  /* few: only theirs, scattered, each prefetched SF_AHEAD rows ahead */
-            for (int64_t k = 0; k < n; k++) {
-                const int64_t i = mine[k];
-                const char *next = k + SF_AHEAD < n ? (const char *)(uq + mine[k + SF_AHEAD] * hidden) : NULL;
-                const double o = (double)dot_i8i16(uq + i * hidden, &xs, hidden, next), hi = row_bound(o, us[i], ur[i], un[i], d, xl2, dl2, 0);
-                keep[i] = up_keep(ghi[i], hi, tied ? row_bound(o, us[i], ur[i], un[i], d, xl2, dl2, 1) : 0.0, product, tied, t);
-            }
-        } else {
-            n = 0;
+        if (!uq) n = 0;
+        for (int64_t k = 0; k < n; k++) {  /* the survivors' up rows, each prefetched SF_AHEAD rows ahead */
+            const int64_t i = mine[k];
+            const char *next = k + SF_AHEAD < n ? (const char *)(uq + mine[k + SF_AHEAD] * hidden) : NULL;
+            const double o = (double)dot_i8i16(uq + i * hidden, &xs, hidden, next), hi = row_bound(o, us[i], ur[i], un[i], d, xl2, dl2, 0);
+            keep[i] = up_keep(ghi[i], hi, tied ? row_bound(o, us[i], ur[i], un[i], d, xl2, dl2, 1) : 0.0, product, tied, t);
         }
         screened += n;
     }
