@@ -30,7 +30,7 @@
  *                  dense MLP) and the final norm in one call, from per-layer argument structs prepared at load.
  *
  * AVX2 + FMA + F16C intrinsics when the compiler targets them, a scalar fallback otherwise; the screens' integer
- * dots use AVX-512 or AVX VNNI byte products where the compiler targets them.
+ * dots use VNNI byte products (AVX512-VNNI with VL, or AVX-VNNI) where the compiler targets them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -330,7 +330,7 @@ static SF_INLINE void dot4_x(const char *const *r, const float *x, const int8_t 
 }
 
 /* y[b * rows + r] = scale[r] * dot(W[r], x[b]) (+ bias[r]) for b < nx. W: [rows, cols] row-major. For int8 W,
- * (q, d) are the nx rows of x quantized: q [nx, cols], d [nx, q8_blocks(cols)]. The blocks of 4 rows are shared
+ * (q, d) are the nx rows of x quantized: q [nx, cols], d [nx, q8_blocks(cols)]. The rows are shared
  * among the threads of the enclosing parallel region (matvec_impl opens one; sf_predict calls this inside its own);
  * outside a region one thread does them all. Each row is read whole before the next, so a thread's run of rows is
  * one sequential stream: reading four rows side by side (four short streams, dot4) streamed a decode step's rows at
@@ -338,15 +338,12 @@ static SF_INLINE void dot4_x(const char *const *r, const float *x, const int8_t 
 static SF_INLINE void matvec_rows(const void *W, const float *scales, const float *bias, const int dtype, int64_t rows, int64_t cols,
                                   const float *x, const int8_t *q, const float *d, int64_t nx, float *y) {
     const char *base = (const char *)W;
-    int64_t row_bytes = cols * ELEM_SIZE[dtype], blocks = (rows + 3) / 4, nb = q8_blocks(cols);
+    int64_t row_bytes = cols * ELEM_SIZE[dtype], nb = q8_blocks(cols);
 #pragma omp for schedule(guided)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        int64_t r0 = blk * 4;
-        for (int64_t r = r0; r < r0 + 4 && r < rows; r++) {
-            const void *w = base + r * row_bytes;
-            float sc = scales ? scales[r] : 1.0f, b = bias ? bias[r] : 0.0f;
-            for (int64_t j = 0; j < nx; j++) y[j * rows + r] = sc * dot_x(w, x + j * cols, q + j * cols, d + j * nb, cols, dtype) + b;
-        }
+    for (int64_t r = 0; r < rows; r++) {
+        const void *w = base + r * row_bytes;
+        float sc = scales ? scales[r] : 1.0f, b = bias ? bias[r] : 0.0f;
+        for (int64_t j = 0; j < nx; j++) y[j * rows + r] = sc * dot_x(w, x + j * cols, q + j * cols, d + j * nb, cols, dtype) + b;
     }
 }
 
@@ -418,27 +415,18 @@ typedef struct {
     const int16_t *q;
     const uint8_t *lo, *ahi;
     const int8_t *hi;
-    const uint64_t *neg; /* bit j of neg[i / 64]: hi[i + j] < 0, for masked negation in 64-byte steps */
 } q16x;
 
-/* bytes: 3 n scratch (lo, |hi|, hi), neg: n / 64 + 1 words */
-static SF_INLINE q16x split_q16(const int16_t *q, int64_t n, uint8_t *bytes, uint64_t *neg) {
+/* bytes: 3 n scratch (lo, |hi|, hi) */
+static SF_INLINE q16x split_q16(const int16_t *q, int64_t n, uint8_t *bytes) {
     uint8_t *lo = bytes, *ahi = bytes + n;
     int8_t *hi = (int8_t *)(bytes + 2 * n);
-    memset(neg, 0, sizeof(uint64_t) * (size_t)(n / 64 + 1));
     for (int64_t i = 0; i < n; i++) {
         int32_t v = q[i], h = v >> 8;  /* arithmetic shift: floor(v / 256) */
         lo[i] = (uint8_t)(v - 256 * h), hi[i] = (int8_t)h, ahi[i] = (uint8_t)(h < 0 ? -h : h);
-        neg[i / 64] |= (uint64_t)(h < 0) << (i % 64);
     }
-    return (q16x){q, lo, ahi, hi, neg};
+    return (q16x){q, lo, ahi, hi};
 }
-
-#if SF_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define SF_VNNI512 1 /* 64 columns per step in 512-bit registers: half the instructions of 32 per step */
-#else
-#define SF_VNNI512 0
-#endif
 
 #if SF_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define SF_VNNI 1
@@ -450,8 +438,7 @@ static SF_INLINE q16x split_q16(const int16_t *q, int64_t n, uint8_t *bytes, uin
 #define SF_VNNI 0
 #endif
 
-/* the integer dots' widest VNNI step in bits: 512, 256, or 0 (none) */
-int sf_has_vnni(void) { return SF_VNNI512 ? 512 : SF_VNNI ? 256 : 0; }
+int sf_has_vnni(void) { return SF_VNNI; }
 
 #ifndef SF_AHEAD
 #define SF_AHEAD 4 /* scattered rows: the row prefetched while one is read is this many rows later in the list */
@@ -479,35 +466,6 @@ static SF_INLINE int64_t hsum_epi32(__m256i v) {
  * prefetched a cache line per 64 columns, for rows that are not stored one after another. */
 static SF_INLINE int64_t dot_i8i16(const int8_t *w, const q16x *x, int64_t n, const char *next) {
     int64_t s = 0, i = 0;
-#if SF_VNNI512
-    const __m512i zero = _mm512_setzero_si512();
-    while (i + 64 <= n) {
-        __m512i l0 = zero, l1 = zero, h0 = zero, h1 = zero;
-        const int64_t stop = i + 2048 < n ? i + 2048 : n;
-#define SF_STEP512(L, H, j)                                                                                                  \
-    do {                                                                                                                     \
-        const __m512i wv = _mm512_loadu_si512((const void *)(w + (j)));                                                     \
-        L = _mm512_dpbusd_epi32(L, _mm512_loadu_si512((const void *)(x->lo + (j))), wv);                                    \
-        H = _mm512_dpbusd_epi32(H, _mm512_loadu_si512((const void *)(x->ahi + (j))),                                        \
-                                _mm512_mask_sub_epi8(wv, (__mmask64)x->neg[(j) / 64], zero, wv));                          \
-    } while (0)
-        for (; i + 128 <= stop; i += 128) {
-            if (SF_PREFETCH && next) _mm_prefetch(next + i, _MM_HINT_T0), _mm_prefetch(next + i + 64, _MM_HINT_T0);
-            SF_STEP512(l0, h0, i);
-            SF_STEP512(l1, h1, i + 64);
-        }
-        if (i + 64 <= stop) {
-            if (SF_PREFETCH && next) _mm_prefetch(next + i, _MM_HINT_T0);
-            SF_STEP512(l0, h0, i);
-            i += 64;
-        }
-#undef SF_STEP512
-        /* as below: 256 |h| + |l| < 2^31 per lane, then summed in int64 */
-        const __m512i v = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
-        s += _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(v)),
-                                                      _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1))));
-    }
-#endif
 #if SF_VNNI
     while (i + 32 <= n) {
         __m256i l0 = _mm256_setzero_si256(), l1 = l0, h0 = l0, h1 = l0;
@@ -565,9 +523,8 @@ static SF_INLINE int64_t dot_i8i16(const int8_t *w, const q16x *x, int64_t n, co
 void sf_screen_dots(const int8_t *Q, int64_t rows, int64_t n, const float *x, int64_t *out, float *d) {
     int16_t xq[n];
     uint8_t xb[3 * n];
-    uint64_t xneg[n / 64 + 1];
     quantize_q16(x, n, xq, d);
-    const q16x xs = split_q16(xq, n, xb, xneg);
+    const q16x xs = split_q16(xq, n, xb);
     for (int64_t r = 0; r < rows; r++) out[r] = dot_i8i16(Q + r * n, &xs, n, NULL);
 }
 
@@ -627,30 +584,25 @@ static SF_INLINE int64_t head_screen_impl(const void *W, const int dtype, int64_
     float d;
     const float e = quantize_q16(x, cols, xq, &d);
     uint8_t xb[3 * cols];
-    uint64_t xneg[cols / 64 + 1];
-    const q16x xs = split_q16(xq, cols, xb, xneg);
+    const q16x xs = split_q16(xq, cols, xb);
     float best_lo = -INFINITY, top[topk > 0 ? topk : 1];  /* greedy: the largest lower bound; top-k: the k largest */
     double best_score = -INFINITY;                          /* sampling: the largest lower bound of the scores */
     int64_t ntop = 0;
-    const int64_t blocks = (rows + 3) / 4;
 #pragma omp parallel num_threads(threads_for(nthreads, rows))
     {
         float lo = -INFINITY, mine[topk > 0 ? topk : 1];
         double score = -INFINITY;
         int64_t nmine = 0;
 #pragma omp for schedule(guided) nowait
-        for (int64_t blk = 0; blk < blocks; blk++) {
-            int64_t r0 = blk * 4;
-            for (int64_t r = r0; r < r0 + 4 && r < rows; r++) {
-                approx[r] = qs[r] * d * (float)dot_i8i16(Q + r * cols, &xs, cols, NULL);
-                const float b = radius[r] * l1 + qabs[r] * e;
-                if (noise)
-                    score = fmax(score, score_bound(approx[r], b, noise[r], t, 0));
-                else if (topk)
-                    keep_largest(mine, &nmine, topk, approx[r] - b);
-                else
-                    lo = fmaxf(lo, approx[r] - b);
-            }
+        for (int64_t r = 0; r < rows; r++) {
+            approx[r] = qs[r] * d * (float)dot_i8i16(Q + r * cols, &xs, cols, NULL);
+            const float b = radius[r] * l1 + qabs[r] * e;
+            if (noise)
+                score = fmax(score, score_bound(approx[r], b, noise[r], t, 0));
+            else if (topk)
+                keep_largest(mine, &nmine, topk, approx[r] - b);
+            else
+                lo = fmaxf(lo, approx[r] - b);
         }
 #pragma omp critical
         {
@@ -958,10 +910,9 @@ int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const 
     const int product = uq != NULL && act == ACT_DRELU && t > 0.0f;
     int16_t xq[hidden];
     uint8_t xb[3 * hidden];
-    uint64_t xneg[hidden / 64 + 1];
     float df;
     quantize_q16(x, hidden, xq, &df);
-    const q16x xs = split_q16(xq, hidden, xb, xneg);
+    const q16x xs = split_q16(xq, hidden, xb);
     double ss = 0.0, ds = 0.0, d = df;
     for (int64_t i = 0; i < hidden; i++) {
         double e = (double)x[i] - d * xq[i];
