@@ -16,8 +16,9 @@ screen (float weights) the same output, reading full rows only where an int8 gat
 prove the neuron zero. PowerInfer
 rows run its `main` binary (--powerinfer) on GGUFs made from this checkpoint and its predictors (docs/benchmarks.md):
 one subprocess per run on the prompt's text, timed by its own "prompt eval" and "eval" lines. Engines alternate
-within each repetition; medians. Decoding is greedy; `--temperature` (with `--top-k`, `--top-p`) makes the sparseforge
-and HF rows sample instead (seeded), the llama.cpp and PowerInfer rows stay greedy.
+within each repetition; every figure is the median of the timed repetitions (not the warm-up). Decoding is greedy;
+`--temperature` (with `--top-k`, `--top-p`) makes the sparseforge and HF rows sample instead (seeded), the llama.cpp
+and PowerInfer rows stay greedy.
 
 Bytes touched per token: sparseforge's engine counts what its kernels read (weights + KV cache); for the dense
 baselines it is every weight matrix once (the tied embedding once, as the lm_head) + norms + the KV cache at the
@@ -72,7 +73,7 @@ class Sparseforge:
         self.mode, self.full_head = mode, not head_screen and self.engine.model.weights.lm_head.weight.dtype != torch.int8
         if self.full_head:
             self.name += " (full head)"
-        self.bytes, self.sampling = [], sampling or {}
+        self.bytes, self.computed_all, self.fired_all, self.sampling = [], [], [], sampling or {}
         self.mlp_bytes = mlp_bytes(self.engine.model)
 
     def run(self, ids, n):
@@ -82,11 +83,24 @@ class Sparseforge:
         out = time_stream(self.engine.generate(ids, GenerationConfig(max_new_tokens=n, stop_ids=(), **self.sampling)))
         stats = self.engine.stats()
         self.bytes.append(stats["bytes_touched_per_decode_token"])
-        self.computed, self.fired = stats["decode_neurons_computed_fraction"], stats["decode_neurons_fired_fraction"]
+        self.computed_all.append(stats["decode_neurons_computed_fraction"])
+        self.fired_all.append(stats["decode_neurons_fired_fraction"])
         return out
+
+    @property
+    def computed(self):
+        return median(self.computed_all)
+
+    @property
+    def fired(self):
+        return median(self.fired_all)
 
     def bytes_per_token(self):
         return median(self.bytes)
+
+    def forget(self):
+        """Drop what the warm-up recorded: the statistics are the timed repetitions' medians."""
+        self.bytes, self.computed_all, self.fired_all = [], [], []
 
 
 class HFGenerate:
@@ -318,6 +332,7 @@ def run(args) -> None:
     runs = {id(c): [] for _, c in contestants}
     for _, c in contestants:  # warm-up: page in weights, build kernels, fill caches
         c.run(ids, 4)
+        getattr(c, "forget", lambda: None)()
     for rep in range(args.reps):
         for _, c in contestants:
             runs[id(c)].append(c.run(ids, args.new_tokens))
