@@ -73,7 +73,7 @@ class Sparseforge:
         self.mode, self.full_head = mode, not head_screen and self.engine.model.weights.lm_head.weight.dtype != torch.int8
         if self.full_head:
             self.name += " (full head)"
-        self.bytes, self.computed_all, self.fired_all, self.sampling = [], [], [], sampling or {}
+        self.stats, self.sampling = [], sampling or {}  # engine.stats() of each run
         self.mlp_bytes = mlp_bytes(self.engine.model)
 
     def run(self, ids, n):
@@ -81,26 +81,26 @@ class Sparseforge:
 
         self.engine.reset_stats()
         out = time_stream(self.engine.generate(ids, GenerationConfig(max_new_tokens=n, stop_ids=(), **self.sampling)))
-        stats = self.engine.stats()
-        self.bytes.append(stats["bytes_touched_per_decode_token"])
-        self.computed_all.append(stats["decode_neurons_computed_fraction"])
-        self.fired_all.append(stats["decode_neurons_fired_fraction"])
+        self.stats.append(self.engine.stats())
         return out
+
+    def _median(self, key):
+        return median([s[key] for s in self.stats])
 
     @property
     def computed(self):
-        return median(self.computed_all)
+        return self._median("decode_neurons_computed_fraction")
 
     @property
     def fired(self):
-        return median(self.fired_all)
+        return self._median("decode_neurons_fired_fraction")
 
     def bytes_per_token(self):
-        return median(self.bytes)
+        return self._median("bytes_touched_per_decode_token")
 
     def forget(self):
         """Drop what the warm-up recorded: the statistics are the timed repetitions' medians."""
-        self.bytes, self.computed_all, self.fired_all = [], [], []
+        self.stats = []
 
 
 class HFGenerate:

@@ -333,8 +333,7 @@ static SF_INLINE void dot4_x(const char *const *r, const float *x, const int8_t 
  * (q, d) are the nx rows of x quantized: q [nx, cols], d [nx, q8_blocks(cols)]. The rows are shared
  * among the threads of the enclosing parallel region (matvec_impl opens one; sf_predict calls this inside its own);
  * outside a region one thread does them all. Each row is read whole before the next, so a thread's run of rows is
- * one sequential stream: reading four rows side by side (four short streams, dot4) streamed a decode step's rows at
- * about half the rate on one thread. */
+ * one sequential stream, not the four short streams of reading four rows side by side (dot4). */
 static SF_INLINE void matvec_rows(const void *W, const float *scales, const float *bias, const int dtype, int64_t rows, int64_t cols,
                                   const float *x, const int8_t *q, const float *d, int64_t nx, float *y) {
     const char *base = (const char *)W;
@@ -408,26 +407,6 @@ static float quantize_q16(const float *x, int64_t n, int16_t *q, float *d) {
     return (float)(err * (1.0 + 1e-6));
 }
 
-/* x rounded to int16 (quantize_q16) in the form the integer dots read: q itself, and its bytes for VNNI's
- * unsigned-by-signed byte products, q = 256 hi + lo with lo in [0, 255] and hi in [-128, 127] (|hi| kept apart,
- * as the unsigned operand; hi's sign goes onto the weights, which are in [-127, 127], so negating them is exact) */
-typedef struct {
-    const int16_t *q;
-    const uint8_t *lo, *ahi;
-    const int8_t *hi;
-} q16x;
-
-/* bytes: 3 n scratch (lo, |hi|, hi) */
-static SF_INLINE q16x split_q16(const int16_t *q, int64_t n, uint8_t *bytes) {
-    uint8_t *lo = bytes, *ahi = bytes + n;
-    int8_t *hi = (int8_t *)(bytes + 2 * n);
-    for (int64_t i = 0; i < n; i++) {
-        int32_t v = q[i], h = v >> 8;  /* arithmetic shift: floor(v / 256) */
-        lo[i] = (uint8_t)(v - 256 * h), hi[i] = (int8_t)h, ahi[i] = (uint8_t)(h < 0 ? -h : h);
-    }
-    return (q16x){q, lo, ahi, hi};
-}
-
 #if SF_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define SF_VNNI 1
 #define SF_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
@@ -439,6 +418,27 @@ static SF_INLINE q16x split_q16(const int16_t *q, int64_t n, uint8_t *bytes) {
 #endif
 
 int sf_has_vnni(void) { return SF_VNNI; }
+
+/* x rounded to int16 (quantize_q16) in the form the integer dots read: q itself, and its bytes for VNNI's
+ * unsigned-by-signed byte products, q = 256 hi + lo with lo in [0, 255] and hi in [-128, 127] (|hi| kept apart,
+ * as the unsigned operand; hi's sign goes onto the weights, which are in [-127, 127], so negating them is exact) */
+typedef struct {
+    const int16_t *q;
+    const uint8_t *lo, *ahi;
+    const int8_t *hi;
+} q16x;
+
+/* bytes: 3 n scratch (lo, |hi|, hi), filled only where the dots use VNNI (the other paths read q alone) */
+static SF_INLINE q16x split_q16(const int16_t *q, int64_t n, uint8_t *bytes) {
+    uint8_t *lo = bytes, *ahi = bytes + n;
+    int8_t *hi = (int8_t *)(bytes + 2 * n);
+    for (int64_t i = 0; SF_VNNI && i < n; i++) {
+        int32_t v = q[i], h = v >> 8;  /* arithmetic shift: floor(v / 256) */
+        lo[i] = (uint8_t)(v - 256 * h), hi[i] = (int8_t)h, ahi[i] = (uint8_t)(h < 0 ? -h : h);
+    }
+    return (q16x){q, lo, ahi, hi};
+}
+
 
 #ifndef SF_AHEAD
 #define SF_AHEAD 4 /* scattered rows: the row prefetched while one is read is this many rows later in the list */
@@ -458,11 +458,10 @@ static SF_INLINE int64_t hsum_epi32(__m256i v) {
  * columns, so no lane can overflow. With VNNI, 32 columns take one dpbusd per byte of q (Q . lo and Q . hi,
  * recombined as 256 Q . hi + Q . lo): a lane adds at most 32 steps of 4 products below 255 x 127 each. Without it,
  * Q is sign-extended to int16 and pairs are multiplied and added in int32 lanes (madd): a lane adds at most 64 pairs
- * of products below 127 x 32767 each. Either way a fraction of the instructions of converting every weight to
- * float, which made the float-input screen compute-bound at ~20 GB/s.
+ * of products below 127 x 32767 each. Either way a fraction of the instructions of converting every weight to float.
  * One row at a time: rows stored one after another are then read as one sequential stream, which the hardware
- * prefetcher follows; reading four rows side by side (as dot4 does) made four short streams, and streaming int8
- * rows of 576 bytes that way read 13 GB/s where one stream read 37. next: a row read after this one (or NULL),
+ * prefetcher follows, not four short streams as reading four rows side by side (dot4) makes.
+ * next: a row read after this one (or NULL),
  * prefetched a cache line per 64 columns, for rows that are not stored one after another. */
 static SF_INLINE int64_t dot_i8i16(const int8_t *w, const q16x *x, int64_t n, const char *next) {
     int64_t s = 0, i = 0;
