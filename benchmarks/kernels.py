@@ -113,7 +113,7 @@ def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", default=str(DEFAULT_CKPT), help="a sparse checkpoint with predictors (default: the trained dReLU SmolLM2)")
+    p.add_argument("--ckpt", default=str(DEFAULT_CKPT), help="a sparse checkpoint (with predictors for --modes sparse; default: the trained dReLU SmolLM2)")
     p.add_argument("--threads", type=int, default=2, help="kernel threads")
     p.add_argument("--reps", type=int, default=30, help="timed matvec calls per dtype")
     p.add_argument("--new-tokens", type=int, default=64, help="decode steps per engine")
@@ -126,8 +126,8 @@ def main() -> None:
 
     if kernels.native() is None:
         p.error("the native kernels are not available (no C compiler, or SPARSEFORGE_NATIVE=0)")
-    if not (Path(args.ckpt) / "predictors.json").is_file():
-        p.error(f"--ckpt {args.ckpt} has no predictors.json; pass a trained sparse checkpoint")
+    if "sparse" in args.modes and not (Path(args.ckpt) / "predictors.json").is_file():
+        p.error(f"--ckpt {args.ckpt} has no predictors.json, which --modes sparse needs; train them (sparseforge predictors train) or leave sparse out")
     env, bandwidth = setup(args.threads)
     stream = [stream_matvec(DTYPES[d], args.threads, args.reps) for d in args.dtypes]
     breakdown = [decode_breakdown(Path(args.ckpt), m, d, args.threads, args.new_tokens, not args.full_head) for d in args.dtypes for m in args.modes]

@@ -67,7 +67,8 @@ def _hash(parts: list) -> str:
 
 # recipe keys newer than stored rows, with the value that gives the behaviour from before them: left out of the
 # settings while at that value, so that the stored rows keep their keys
-_NEUTRAL = {"threshold_criterion": "product", "threshold_allocation": "uniform", "neuron_halves": False, "tied_halves": False}
+_NEUTRAL = {"threshold_criterion": "product", "threshold_allocation": "uniform", "neuron_halves": False, "tied_halves": False,
+            "layerwise_target_zeros": None}
 
 
 def _settings(base) -> dict:

@@ -71,9 +71,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", help="a sparse checkpoint (sparse mode needs its predictors: sparseforge predictors train)")
     p.add_argument("--mode", choices=("auto", "sparse", "dense", "oracle", "screen"), default="auto",
                    help="auto: screen where it applies (a ReLU-family MLP, float weights; not with --fast-memory, --device or "
-                   "--predictor-dtype), else sparse; "
+                   "--predictor-dtype), oracle for int8 weights of tied neuron halves, else sparse; "
                    "sparse: compute the neurons the predictors select; dense: every neuron (the baseline); oracle: the exact "
-                   "firing mask (computes the gate/up rows to find it; for parity checks); screen: the exact mask without a "
+                   "firing mask (computes the gate/up rows to find it, a pair at a time for tied halves); screen: the exact mask without a "
                    "predictor, an int8 copy of the gate/up rows proving most silent neurons zero (float weights; runtime/screen.py)")  # fmt: skip
     p.add_argument("--weight-dtype", choices=DTYPE_CHOICES, default="float32", help="weight dtype the engine computes with (int8: int8 weights, inputs of their dot products quantized per block of 32)")
     p.add_argument("--predictor-dtype", choices=DTYPE_CHOICES, default=None,

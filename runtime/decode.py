@@ -82,13 +82,14 @@ class SfLayer(ctypes.Structure):
         ("bundles", _p), ("b_scales", _p), ("channels", _p), ("b_dtype", _i), ("inter", _i), ("act", _i),
         ("p_threshold", ctypes.c_float), ("act_threshold", ctypes.c_float),
         ("sg_q", _p), ("sg_s", _p), ("sg_r", _p), ("sg_n", _p), ("su_q", _p), ("su_s", _p), ("su_r", _p), ("su_n", _p), ("sg_scratch", _p), ("sg_tied", _i),
+        ("b_tied", _i),
     ]  # fmt: skip
 
 
 class LeanStep:
     """A batch-1 decode step's layers as one prepared native call: the same kernels and counters as the per-layer
     path (sparse: sf_predict then sf_sparse_mlp over the predicted neurons; screen: sf_mlp_screen then sf_sparse_mlp
-    over the neurons it keeps; oracle: sf_sparse_mlp over all; dense:
+    over the neurons it keeps; oracle: sf_sparse_mlp over all, or sf_tied_mlp over every pair of tied halves; dense:
     sf_matvec gate_up, sf_gated_act, sf_matvec down accumulated into the residual), without the unit requests,
     tensors and ctypes calls that path makes per layer. `seconds` accumulates the wall time in attention blocks,
     predictors or screens, and MLPs (benchmarks/kernels.py reads it)."""
@@ -146,7 +147,7 @@ class LeanStep:
                 L.fc1, L.s1, L.fc2t, L.s2, L.p_dtype, L.rank = ptr(w1), ptr(s1), ptr(w2), ptr(s2), code(w1.dtype), w1.shape[0]
                 L.p_threshold, L.p_scratch = float(p.threshold), ptr(scratch)
             L.ids, L.bundles, L.b_scales, L.channels, L.b_dtype = ptr(ids), ptr(unit.bundles), ptr(unit.scales), ptr(unit.channels), code(unit.bundles.dtype)
-            L.inter = inter
+            L.inter, L.b_tied = inter, int(unit.tied and p is None and screen is None)  # oracle over tied halves: a pair at a time
             self.slots += inter
             self.row_bytes = row_bytes(unit)
         self.stats = (ctypes.c_int64 * 3)()  # per step: neurons the sparse kernel computed, neurons the dense activation fired, up rows screened

@@ -1,7 +1,7 @@
 """The decode engine: token ids in, logits and token ids out. It knows nothing about text beyond carrying the
 checkpoint's tokenizer for callers (runtime/chat.py holds the text side).
 
-    engine = Engine.load(ckpt)                        # mode "auto" (screen or sparse) | "sparse" | "screen" | "oracle" | "dense" (runtime/model.py)
+    engine = Engine.load(ckpt)                        # mode "auto" (screen, oracle or sparse) | "sparse" | "screen" | "oracle" | "dense" (runtime/model.py)
     cache = engine.new_cache()                        # preallocated KV cache for `context` positions
     logits = engine.forward(ids, cache)               # ids [B, T] -> float32 [B, T, V]; appends to cache
     token = engine.decode(token, cache, config, gen)  # one token of a batch-1 cache -> the next token

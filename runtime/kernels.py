@@ -43,6 +43,7 @@ _SIGNATURES = {
     "sf_matvec": (_int, [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p, _int]),
     "sf_predict": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _i64, _p, _f32, _p, _p, _int]),
     "sf_sparse_mlp": (_int, [_p, _p, _p, _int, _i64, _p, _i64, _p, _int, _f32, _f32, _p, _p, _int]),
+    "sf_tied_mlp": (_int, [_p, _p, _p, _int, _i64, _p, _i64, _i64, _p, _int, _f32, _f32, _p, _p, _int]),
     "sf_predict_mlp": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _p, _f32, _p, _p, _p, _p, _p, _p, _int, _i64, _p, _int, _f32, _f32, _p, _p, _p, _int]),
     "sf_gated_act": (_i64, [_p, _i64, _int, _f32, _p]),
     "sf_mlp_screen": (_i64, [_p, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _p, _int, _f32, _p, _p, _p, _int, _int]),
@@ -195,8 +196,8 @@ def sparse_mlp_native(bundles: torch.Tensor, scales: torch.Tensor | None, channe
                       activation: GatedActivation, y: torch.Tensor, out_scale: float, counts: torch.Tensor, threads: int) -> None:
     """y [H] += out_scale * sum over `slots` of act(gate . x, up . x) * down for one row x [H] (float32,
     contiguous); bundles [S, 3, H] (int8: with row scales [S, 3] and the down columns' channel scales [H]).
-    counts (int64 [2]) += (up rows read, neurons fired = down columns read): a neuron whose gate already zeroes
-    the activation reads neither."""
+    counts (int64 [3]) += (gate rows read, up rows read, neurons fired = down columns read): a neuron whose gate
+    already zeroes the activation reads neither of the last two."""
     slots = slots if slots.dtype == torch.long and slots.is_contiguous() else slots.long().contiguous()
     rc = native().sf_sparse_mlp(
         bundles.data_ptr(), ptr(scales), ptr(channels), DTYPE_CODES[bundles.dtype], bundles.shape[-1], slots.data_ptr(), slots.numel(),
@@ -204,6 +205,20 @@ def sparse_mlp_native(bundles: torch.Tensor, scales: torch.Tensor | None, channe
     )
     if rc != 0:
         raise MemoryError(f"sf_sparse_mlp could not allocate its lists for {slots.numel()} neurons")
+
+
+def tied_mlp_native(bundles: torch.Tensor, scales: torch.Tensor | None, channels: torch.Tensor | None, pairs: torch.Tensor, x: torch.Tensor,
+                    activation: GatedActivation, y: torch.Tensor, out_scale: float, counts: torch.Tensor, threads: int) -> None:
+    """sparse_mlp_native over tied halves (runtime/units.py tied_bundles: bundles [I, 3, H] at slot = neuron): neurons
+    `pairs` (ascending, < I/2) and pairs + I/2, from one gate and one up row per pair; with every pair, bit for bit
+    sparse_mlp_native over all I neurons. counts as there (a pair: one gate row, one up row)."""
+    pairs = pairs if pairs.dtype == torch.long and pairs.is_contiguous() else pairs.long().contiguous()
+    rc = native().sf_tied_mlp(
+        bundles.data_ptr(), ptr(scales), ptr(channels), DTYPE_CODES[bundles.dtype], bundles.shape[-1], pairs.data_ptr(), pairs.numel(),
+        bundles.shape[0] // 2, x.data_ptr(), ACT_CODES[activation.kind], activation.threshold, out_scale, y.data_ptr(), counts.data_ptr(), threads,
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError(f"sf_tied_mlp could not allocate its lists for {pairs.numel()} pairs")
 
 
 def predict_mlp_native(fc1: Weights, fc2t: Weights, p_threshold: float, resid: torch.Tensor, slot_of: torch.Tensor, ids: torch.Tensor,

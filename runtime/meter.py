@@ -4,8 +4,9 @@
 What a decode step touches is counted from what the kernels read:
 - the always-touched weights (attention, norms, routers, one embedding row, the predictors run), once per step;
 - the KV cache of every row up to its new position;
-- the MLPs: a PyTorch or dense MLP reports its bytes, a screen (runtime/screen.py) the int8 rows it read; the native sparse kernel counts the up rows and down
-  columns it reads into `rows_read` (a tensor it writes through a pointer), and every computed neuron reads its gate row;
+- the MLPs: a PyTorch or dense MLP reports its bytes, a screen (runtime/screen.py) the int8 rows it read; the native sparse kernel counts the gate
+  rows, up rows and down columns it reads into `rows_read` (a tensor it writes through a pointer; a computed neuron reads
+  its gate row, or with tied halves a pair reads one);
 - the head: all of it, or the screen and its candidates' rows (runtime/head.py).
 Prefill steps count tokens and seconds only. Neurons are counted over every row, and over decode steps alone
 (`decode_neurons_*`: a screen computes a prefill's neurons in full, so the two differ).
@@ -36,7 +37,7 @@ class Meter:
     def __init__(self, static_bytes: int, kv_bytes_per_position: int):
         self.static_bytes = static_bytes  # always_touched_bytes
         self.kv_bytes_per_position = kv_bytes_per_position  # one row's keys + values of one position, every layer
-        self.rows_read = torch.zeros(2, dtype=torch.long)  # up rows, down columns read by sf_sparse_mlp (fired neurons)
+        self.rows_read = torch.zeros(3, dtype=torch.long)  # gate rows, up rows, down columns (fired neurons) read by sf_sparse_mlp
         self.device_fired = None  # a hybrid engine's device-side count of its hot neurons that fired (runtime/hybrid.py)
         self.reset()
 
@@ -44,7 +45,7 @@ class Meter:
         self.prefill_tokens = self.decode_tokens = 0
         self.prefill_seconds = self.decode_seconds = self.predictor_seconds = 0.0
         self.neurons_computed = self.neuron_slots = self.neurons_fired = 0  # PyTorch and dense MLPs, over all rows
-        self.row_neurons = 0  # neurons the native sparse kernel computed (a gate row each)
+        self.row_neurons = 0  # neurons the native sparse kernel computed
         self.row_bytes = 0  # bytes of one bundle row (+ its int8 scale) of the native kernel's units
         self.rows_read.zero_()
         if self.device_fired is not None:
@@ -103,7 +104,7 @@ class Meter:
 
     def _neuron_totals(self) -> tuple[int, int, int]:
         device = 0 if self.device_fired is None else int(self.device_fired)
-        return self.neurons_computed + self.row_neurons, self.neuron_slots, self.neurons_fired + int(self.rows_read[1]) + device
+        return self.neurons_computed + self.row_neurons, self.neuron_slots, self.neurons_fired + int(self.rows_read[2]) + device
 
     def step(self, rows: int, tokens: int, seconds: float, length: int) -> None:
         """Close a forward of `tokens` positions in each of `rows` rows, written after `length` cached ones. One position:
@@ -124,8 +125,8 @@ class Meter:
 
     def counters(self) -> dict:
         """The figures `Engine.stats` reports from the counters."""
-        up, down = (int(v) for v in self.rows_read)
-        decode_bytes = self.decode_bytes + (self.row_neurons + up + down) * self.row_bytes
+        gate, up, down = (int(v) for v in self.rows_read)
+        decode_bytes = self.decode_bytes + (gate + up + down) * self.row_bytes
         slots = self.neuron_slots
         return {
             "prefill_tokens": self.prefill_tokens,

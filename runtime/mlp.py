@@ -8,8 +8,9 @@ the normed MLP input (runtime/screen.py) instead of a predictor, for up to SCREE
 compute every neuron as the oracle mode does: their union keeps most). One row with native kernels: the predictor's
 (or screen's) ids, then per part of the unit's request one sf_sparse_mlp call (gate/up dots -> activation -> down
 accumulated into the residual). MoE layers touch only the routed experts. A resident unit of tied halves
-(runtime/units.py) computes several rows a pair at a time: one gate and one up product give both halves, so a
-prefill does two thirds of the halves' multiplications.
+(runtime/units.py) computes several rows, or one row's every neuron (the oracle mode), a pair at a time: one gate
+and one up product give both halves, so a prefill does two thirds of the halves' multiplications and an oracle
+decode step reads half the gate and up rows.
 """
 
 import ctypes
@@ -85,8 +86,12 @@ class SparseMLP:
             neurons = self._predict_row(layer, expert, p, resid, I)
         elif mode == "screen":
             neurons = self._screen_row(layer, expert, xn)
-        neurons = self._computed(unit, neurons)
         act, threads, counts = self.model.activations[layer], self.model.threads, self.meter.rows_read
+        if neurons is None and unit.tied:  # every neuron of a resident unit of tied halves: a pair at a time
+            kernels.tied_mlp_native(unit.bundles, unit.scales, unit.channels, self._all_neurons(I // 2), xn, act, y, scale, counts, threads)
+            self.meter.native_mlp(I, I, row_bytes(unit))
+            return
+        neurons = self._computed(unit, neurons)
         for chunk in unit.order(neurons).split(unit.capacity) if neurons.numel() > unit.capacity else (neurons,):
             req = unit.request(chunk)
             kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, req.ready_slots, xn, act, y, scale, counts, threads)

@@ -13,7 +13,8 @@ MLP modes:
   bound, the rest are computed as in "oracle" (equals it up to float rounding; runtime/screen.py).
 
 "auto" is resolved at load (`auto_mode`): "screen" where it applies (every MLP's activation has a gate sign to
-screen, float weights, every neuron resident on the CPU, no predictor dtype asked for), else "sparse". The screen is exact and needs no
+screen, float weights, every neuron resident on the CPU, no predictor dtype asked for); with int8 weights, "oracle"
+for tied neuron halves under the same conditions; else "sparse". The screen is exact and needs no
 predictors; where both were timed it decoded at 0.95-1.25x the predictors' speed (docs/runtime.md, "Modes").
 """
 
@@ -33,7 +34,7 @@ from sparseforge.runtime.weights import ModelWeights, WeightReader, load_unit_pr
 from sparseforge.sparsify.hf_code.modeling_sparseforge import GatedActivation
 
 MODES = ("sparse", "oracle", "dense", "screen")
-AUTO = "auto"  # resolved at load to "screen" or "sparse" (auto_mode)
+AUTO = "auto"  # resolved at load to "screen", "oracle" or "sparse" (auto_mode)
 
 
 @dataclass
@@ -160,9 +161,14 @@ def auto_mode(config, weight_dtype: str, tiered: bool = False, predictors: bool 
     """The mode "auto" runs for a checkpoint's config: "screen" when every MLP's activation is one a gate bound
     proves zero (runtime/screen.py SCREENED), the weights are float, nothing is tiered (no neuron store, no device
     tier: their placement plans hold predictors, not screens) and no predictor dtype was asked for (predictors);
+    with int8 weights under the same conditions, "oracle" for tied neuron halves (computed a pair at a time, exact);
     else "sparse"."""
-    activation = (config.sparsity or {}).get("activation")
-    return "screen" if activation in SCREENED and weight_dtype != "int8" and not tiered and not predictors else "sparse"
+    sparsity = config.sparsity or {}
+    if sparsity.get("activation") not in SCREENED or tiered or predictors:
+        return "sparse"
+    if weight_dtype != "int8":
+        return "screen"
+    return "oracle" if sparsity.get("tied_halves") else "sparse"
 
 
 def _load_config(ckpt: Path):

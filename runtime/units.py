@@ -18,8 +18,8 @@ The engine asks a unit for the neurons it is about to compute:
 (runtime/hybrid.py) sets it to the mask of the neurons the CPU computes (the others are on a device).
 
 `ResidentUnit` (everything in memory, slot = neuron) is the fully resident case; its `tied` says whether its neurons
-are tied halves (neuron I/2 + i: neuron i's gate row, minus its up row; train/tied.py), which several-row steps compute
-a pair at a time (runtime/mlp.py). A tiered unit (hot
+are tied halves (neuron I/2 + i: neuron i's gate row, minus its up row; train/tied.py), which several-row steps and
+one-row steps over every neuron compute a pair at a time (runtime/mlp.py). A tiered unit (hot
 neurons pinned, cold ones behind a cache over disk) implements the same interface. A request never asks
 for more than `capacity` neurons; callers with more (dense prefill under a small budget) split them into
 chunks (in `unit.order(neurons)`) and release each chunk before requesting the next.
@@ -66,7 +66,7 @@ class MLPUnit(Protocol):
     channels: torch.Tensor | None  # [H] float32 per-output-channel scales of the int8 down columns, else None
     local: torch.Tensor | None  # bool [I]: the neurons computed through this unit (a hybrid split: the CPU's); None: all
     fixed_slots: torch.Tensor | None  # int64 [I]: each neuron's slot in bundles, always resident (-1: not local); None: ask request
-    tied: bool  # the neurons are tied halves, all resident at slot = neuron, computed a pair at a time by several-row steps
+    tied: bool  # tied halves, all resident at slot = neuron, computed a pair at a time (several rows, or every neuron of one)
 
     def request(self, neurons: torch.Tensor) -> Request: ...
 

@@ -149,14 +149,21 @@ def test_tied_halves_stay_tied_bit_for_bit_through_both_stages_and_a_resume(work
         run(tmp_path / "x", tied_halves=True, layerwise_init="split4")
 
 
-@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16", "int8"])
-def test_tied_halves_prefill_a_pair_at_a_time_as_every_neuron_alone(tmp_path, one_thread, weight_dtype):
+def _thresholded_tied_halves(path):
+    """A tiny model converted to tied halves, with thresholds so that some halves a pair's product passes are zeroed,
+    saved at path; returns the model."""
     model = convert_model(tiny_model("llama"), "drelu", halves=True)
-    with torch.no_grad():  # thresholds, so that some halves a pair's product passes are zeroed
+    with torch.no_grad():
         for layer in model.model.layers:
             layer.mlp.activation.threshold = 0.01
     model.config.sparsity["thresholds"] = [0.01] * len(model.model.layers)
-    save_sparse(model, tiny_tokenizer(), tmp_path / "ckpt")
+    save_sparse(model, tiny_tokenizer(), path)
+    return model
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16", "int8"])
+def test_tied_halves_prefill_a_pair_at_a_time_as_every_neuron_alone(tmp_path, one_thread, weight_dtype):
+    model = _thresholded_tied_halves(tmp_path / "ckpt")
     ids = torch.tensor(random_windows(3, 12))
     runs = {}
     for tied in (True, False):
@@ -173,3 +180,37 @@ def test_tied_halves_prefill_a_pair_at_a_time_as_every_neuron_alone(tmp_path, on
     if weight_dtype == "float32":
         with torch.no_grad():
             torch.testing.assert_close(runs[True][0], model(ids).logits, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "int8"])
+def test_an_oracle_decode_step_computes_tied_halves_a_pair_at_a_time_bit_for_bit(tmp_path, weight_dtype):
+    """One row through every neuron (the oracle mode), in the one-call step and layer by layer: the same logits, bit
+    for bit, as the halves computed one neuron at a time, from half the gate and up rows."""
+    from sparseforge.runtime.decode import LeanStep
+
+    _thresholded_tied_halves(tmp_path / "ckpt")
+    ids = torch.tensor(random_windows(1, 8))
+    runs = {}
+    for name in ("tied", "tied, layer by layer", "untied"):
+        engine = Engine.load(tmp_path / "ckpt", mode="oracle", weight_dtype=weight_dtype, context=32, progress=False)
+        row = engine.step.row
+        assert row is not None and row.lean is not None and all(lw.units[0].tied for lw in engine.model.weights.layers)
+        if name == "untied":
+            for lw in engine.model.weights.layers:
+                lw.units[0].tied = False
+            row.lean = LeanStep.build(engine.model, row, engine.meter)
+        elif name == "tied, layer by layer":
+            row.lean = None
+        cache = engine.new_cache(1)
+        engine.forward(ids[:, :2], cache)
+        engine.reset_stats()
+        logits = torch.cat([engine.forward(ids[:, t : t + 1], cache) for t in range(2, ids.shape[1])], dim=1)
+        runs[name] = (logits, engine.stats())
+    (tied, a), (layered, b), (untied, c) = runs.values()
+    assert torch.equal(tied, untied) and torch.equal(layered, untied)
+    for s in (a, b):
+        assert s["decode_neurons_computed_fraction"] == c["decode_neurons_computed_fraction"] == 1.0
+        assert s["decode_neurons_fired_fraction"] == c["decode_neurons_fired_fraction"] > 0
+        assert s["bytes_touched_per_decode_token"] < c["bytes_touched_per_decode_token"]
+    auto = Engine.load(tmp_path / "ckpt", weight_dtype=weight_dtype, context=32, progress=False).stats()["mode"]
+    assert auto == ("oracle" if weight_dtype == "int8" else "screen")  # int8 of tied halves: exact, a pair at a time

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sparseforge.runtime import kernels
-from sparseforge.runtime.units import make_bundles, quantize_bundles, quantize_rows
+from sparseforge.runtime.units import make_bundles, quantize_bundles, quantize_rows, tied_bundles
 from sparseforge.sparsify.hf_code.modeling_sparseforge import ACTIVATIONS, GatedActivation
 
 pytestmark = pytest.mark.skipif(kernels.native() is None, reason="no C compiler: the native kernels did not build")
@@ -36,12 +36,12 @@ def test_sparse_mlp_native_equals_torch(dtype, kind):
     slots = torch.randperm(inter, generator=g)[:90]
     act = GatedActivation(kind, 0.25)
     y = torch.full((hidden,), 0.5)  # accumulates into what is there
-    counts = torch.zeros(2, dtype=torch.long)
+    counts = torch.zeros(3, dtype=torch.long)
     kernels.sparse_mlp_native(bundles, scales, channels, slots, x, act, y, 0.7, counts, 2)
     ref, h = kernels.sparse_mlp_torch(bundles, scales, channels, slots, x[None], act)
     torch.testing.assert_close(y, 0.5 + 0.7 * ref[0], atol=1e-3, rtol=1e-4)
     fired = int((h != 0).sum())
-    assert counts[1] == fired and fired <= counts[0] <= 90
+    assert counts[0] == 90 and counts[2] == fired and fired <= counts[1] <= 90
     if kind != "silu":
         assert 0 < fired < 90  # gate-first skipping was exercised
 
@@ -59,7 +59,7 @@ def test_sparse_mlp_native_is_deterministic_across_runs(dtype):
     outs = set()
     for _ in range(30):
         y = torch.zeros(hidden)
-        kernels.sparse_mlp_native(bundles, scales, channels, slots, x, GatedActivation("drelu"), y, 1.0, torch.zeros(2, dtype=torch.long), 2)
+        kernels.sparse_mlp_native(bundles, scales, channels, slots, x, GatedActivation("drelu"), y, 1.0, torch.zeros(3, dtype=torch.long), 2)
         outs.add(y.numpy().tobytes())
     assert len(outs) == 1
 
@@ -176,3 +176,26 @@ def test_int8_down_columns_scale_per_channel():
     err_new = ((got - exact)[0, normal].norm() / exact[0, normal].norm()).item()
     err_old = ((old - exact)[0, normal].norm() / exact[0, normal].norm()).item()
     assert err_new < 0.02 and err_old > 5 * err_new, (err_new, err_old)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
+def test_tied_mlp_native_is_the_sparse_kernel_over_both_halves_bit_for_bit(dtype, threshold):
+    """Pairs of tied halves from one gate and one up row each: over every pair, or some, bitwise the sparse kernel's y
+    over both halves of them (the same fired list, in the same order), reading half the gate and up rows."""
+    g = torch.Generator().manual_seed(7)
+    pairs, hidden = 150, 76
+    gate, up = torch.randn(pairs, hidden, generator=g), torch.randn(pairs, hidden, generator=g)
+    b = make_bundles(torch.cat([gate, gate]), torch.cat([up, -up]), torch.randn(hidden, 2 * pairs, generator=g))
+    bundles, scales, channels = _bundles(b, dtype)
+    assert tied_bundles(bundles, scales)
+    act = GatedActivation("drelu", threshold)
+    for some in (torch.arange(pairs), torch.randperm(pairs, generator=g)[:40].sort().values):
+        for _ in range(3):
+            x = torch.randn(hidden, generator=g)
+            y_tied, y_all = torch.full((hidden,), 0.5), torch.full((hidden,), 0.5)
+            c_tied, c_all = torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)
+            kernels.tied_mlp_native(bundles, scales, channels, some, x, act, y_tied, 0.7, c_tied, 2)
+            kernels.sparse_mlp_native(bundles, scales, channels, torch.cat([some, some + pairs]), x, act, y_all, 0.7, c_all, 2)
+            assert torch.equal(y_tied, y_all)
+            assert c_tied[0] == some.numel() and 2 * c_tied[1] == c_all[1] and c_tied[2] == c_all[2] > 0

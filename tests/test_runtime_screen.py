@@ -1,6 +1,7 @@
 """The screen mode (runtime/screen.py): its bound never drops a neuron the exact mask keeps, and the engine in screen
 mode gives the oracle's logits and greedy tokens while reading fewer bytes than oracle and dense."""
 
+import copy
 import ctypes
 import os
 import shutil
@@ -145,11 +146,11 @@ def test_sparse_kernel_over_the_kept_neurons_equals_it_over_all(dtype):
         x = torch.randn(hidden, generator=g)
         ids, _ = screen_native(screen, x, 1)
         y_all, y_kept = torch.zeros(hidden), torch.zeros(hidden)
-        c_all, c_kept = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+        c_all, c_kept = torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)
         kernels.sparse_mlp_native(bundles, None, None, torch.arange(inter), x, act, y_all, 1.0, c_all, 1)
         kernels.sparse_mlp_native(bundles, None, None, ids, x, act, y_kept, 1.0, c_kept, 1)
         torch.testing.assert_close(y_kept, y_all, rtol=1e-5, atol=1e-5)
-        assert c_kept[1] == c_all[1]  # the same neurons fired
+        assert c_kept[2] == c_all[2]  # the same neurons fired
         assert ids.numel() < inter
 
 
@@ -249,6 +250,10 @@ def test_auto_mode_screens_where_the_screen_applies_and_uses_the_predictors_else
     for weight_dtype in ("bfloat16", "float16"):
         assert auto_mode(auto.model.config, weight_dtype) == "screen"
     assert auto_mode(auto.model.config, "int8") == "sparse"
+    tied = copy.deepcopy(auto.model.config)
+    tied.sparsity = {**tied.sparsity, "halves": True, "tied_halves": True}
+    assert auto_mode(tied, "int8") == "oracle" and auto_mode(tied, "float16") == "screen"
+    assert auto_mode(tied, "int8", tiered=True) == auto_mode(tied, "int8", predictors=True) == "sparse"
     assert auto_mode(auto.model.config, "float32", tiered=True) == "sparse"
     assert auto_mode(auto.model.config, "float32", predictors=True) == "sparse"
     with pytest.raises(SparseforgeError, match="predictors"):  # int8: the predictors, which this checkpoint lacks

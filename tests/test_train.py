@@ -255,8 +255,26 @@ def test_target_zeros_thresholds_survive_resume_and_reach_the_checkpoint(workspa
     assert _losses(tmp_path / "split")[0] == pytest.approx(full, rel=1e-6)
 
 
+def test_stage_1_thresholds_for_other_zeros_are_recalibrated_before_the_steps(workspace, tmp_path):
+    """layerwise_target_zeros: stage 1 refits each layer with its threshold for those zeros, then the thresholds for
+    target_zeros are calibrated on the whole model and the steps train with them."""
+    keys = dict(target_zeros=0.8, layerwise_target_zeros=0.95, layerwise_thresholds=True, layerwise_tokens=128, layerwise_epochs=1,
+                layerwise_batch_tokens=64, distill_kl=0.5)
+    ckpt = train(_recipe(workspace, tmp_path / "run", **keys), progress=False)
+    stage1 = json.loads((tmp_path / "run" / "layerwise.json").read_text())["layers"]
+    assert all("threshold" in l and l["zero_fraction_after"] >= 0.9 for l in stage1)
+    saved = json.loads((ckpt / "thresholds.json").read_text())
+    assert saved["target"] == 0.8 and saved.get("set_by") != "stage 1, layer by layer"
+    assert all(0.75 <= l["zero_fraction_after"] < 0.9 for l in saved["layers"])
+    assert saved["thresholds"] != [l["threshold"] for l in stage1]
+    lines = _losses(tmp_path / "run")[1]
+    assert all(0.7 <= l["mlp_zero_fraction"] < 0.9 for l in lines if "loss" in l)
+
+
 @pytest.mark.parametrize("keys, match", [({"target_zeros": 1.5}, "between 0 and 1"), ({"target_zeros": 0}, "between 0 and 1"),
-                                         ({"target_zeros": 0.9, "activation": "relu"}, "use activation drelu")])
+                                         ({"target_zeros": 0.9, "activation": "relu"}, "use activation drelu"),
+                                         ({"target_zeros": 0.9, "layerwise_thresholds": True, "layerwise_target_zeros": 1}, "'layerwise_target_zeros' must be"),
+                                         ({"target_zeros": 0.9, "layerwise_target_zeros": 0.95}, "set layerwise_thresholds: true and target_zeros")])
 def test_bad_target_zeros_is_refused(workspace, tmp_path, keys, match):
     with pytest.raises(SparseforgeError, match=match):
         _recipe(workspace, tmp_path / "run", **keys)

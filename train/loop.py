@@ -172,12 +172,19 @@ def _generated_sources(r: Recipe, teacher, data: dict) -> dict:
             for name, settings in generated.items()}
 
 
+def _stage1_zeros(r: Recipe) -> float | None:
+    """The zeros stage 1 sets each layer's threshold for (layerwise_thresholds), or None."""
+    if not r.layerwise_thresholds:
+        return None
+    return r.target_zeros if r.layerwise_target_zeros is None else r.layerwise_target_zeros
+
+
 def _stage1(r: Recipe, model, teacher, mixture, device, progress: bool) -> dict:
     """Layer-wise MLP distillation on the first layerwise_tokens of the mixture; returns its record."""
     windows = torch.as_tensor(mixture.next_batch(-(-r.layerwise_tokens // r.seq_len)), device=device)  # [N, S]
     settings = LayerwiseSettings(r.layerwise_epochs, r.layerwise_lr, r.layerwise_batch_tokens, r.layerwise_inputs,
                                  r.layerwise_target, r.layerwise_init, r.micro_batch_size,
-                                 r.target_zeros if r.layerwise_thresholds else None, r.seed, r.layerwise_ridge, r.layerwise_weights)
+                                 _stage1_zeros(r), r.seed, r.layerwise_ridge, r.layerwise_weights)
     start = time.perf_counter()
     stats = distill_layerwise(model, teacher, windows, settings, progress)
     return {"stage": "layerwise", "step": 0, "tokens": windows.numel(), "seconds": time.perf_counter() - start, "layers": stats}
@@ -247,7 +254,7 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
         log.write({k: v for k, v in record.items() if k != "layers"})
         if main:
             atomic_write_text(run_dir / "layerwise.json", json.dumps(record, indent=1) + "\n")
-        stage1_thresholds = record["layers"] if r.layerwise_thresholds and r.target_zeros is not None else None
+        stage1_thresholds = record["layers"] if r.target_zeros is not None and _stage1_zeros(r) == r.target_zeros else None  # else calibrated after it
     if r.target_zeros is not None:
         record = set_thresholds(r, model, run_dir, latest, build_mixture(r.sources, seq_len=r.seq_len, seed=r.seed, **data), main,
                                 progress and main, layerwise=stage1_thresholds)

@@ -72,6 +72,7 @@ class Recipe:
     layerwise_init: str = "split"  # lsq: per-neuron sign of (up, down), then down by least squares, before Adam; split: the I strongest of the 2I (neuron, sign) halves, then the same refit; split4: of the 4I (neuron, gate sign, up sign) quarters; none: as converted
     target_zeros: float | None = None  # dReLU thresholds set before end-to-end training for this fraction of exact zeros per layer, kept while training (null: none)
     layerwise_thresholds: bool = False  # true: stage 1 sets each layer's target_zeros threshold before refitting it; false: calibrated after stage 1
+    layerwise_target_zeros: float | None = None  # with layerwise_thresholds: the zeros stage 1's thresholds are for, target_zeros' recalibrated after it (null: target_zeros)
     threshold_criterion: str = "product"  # what target_zeros thresholds compare: product (h) or contribution (h times the neuron's down-column norm; sparsify/threshold.py)
     threshold_allocation: str = "uniform"  # uniform: every layer at target_zeros; global: one cut over all layers, their zeros averaging it (thresholds after stage 1 only)
     device: str = "auto"  # auto: accelerate's choice; cpu forces CPU
@@ -184,6 +185,12 @@ def validate(recipe: Recipe) -> Recipe:
         raise SparseforgeError(f"warmup_steps ({r.warmup_steps}) exceeds max_steps ({r.max_steps}); lower warmup_steps")
     if r.target_zeros is not None and not 0 < r.target_zeros < 1:
         raise SparseforgeError(f"recipe key 'target_zeros' must be a fraction between 0 and 1 (e.g. 0.85) or null, got {r.target_zeros}")
+    if r.layerwise_target_zeros is not None:
+        if not 0 < r.layerwise_target_zeros < 1:
+            raise SparseforgeError(f"recipe key 'layerwise_target_zeros' must be a fraction between 0 and 1 (e.g. 0.925) or null, got {r.layerwise_target_zeros}")
+        if not (r.layerwise_thresholds and r.target_zeros is not None):
+            raise SparseforgeError("recipe key 'layerwise_target_zeros' sets stage 1's thresholds before target_zeros' are calibrated after it; "
+                                   "set layerwise_thresholds: true and target_zeros, or layerwise_target_zeros: null")
     from sparseforge.sparsify.threshold import ALLOCATIONS, CRITERIA
 
     if r.threshold_criterion not in CRITERIA:

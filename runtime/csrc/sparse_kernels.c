@@ -17,8 +17,10 @@
  *   sf_sparse_mlp  y += out_scale * sum_j act(gate_j . x, up_j . x) * down_j over the given slots of
  *                  bundles [S, 3, H] (gate row, up row, down column); a neuron whose gate already
  *                  makes the activation zero skips reading its up row and down column, one whose
- *                  activation is zero skips its down column; counts[0], counts[1] report how many
- *                  up rows and down columns were read (so the engine counts the bytes it touched).
+ *                  activation is zero skips its down column; counts[0..2] report how many gate rows, up
+ *                  rows and down columns were read (so the engine counts the bytes it touched).
+ *   sf_tied_mlp    sf_sparse_mlp over tied halves (neuron I/2 + i: neuron i's gate row, minus its up row): one gate
+ *                  and one up row give both halves of a pair, so every neuron is computed from half the rows
  *   sf_mlp_screen  ids of the neurons an int8 copy of the gate (and up) rows cannot prove zero, with a rigorous bound
  *                  on each row's error (runtime/screen.py): sf_sparse_mlp over them equals it over every neuron
  *   sf_predict_mlp sf_predict, then sf_sparse_mlp over the predicted neurons' slots, in one call (a hybrid
@@ -734,8 +736,14 @@ static SF_INLINE void block_rows(const char *base, int64_t bundle_bytes, int64_t
 
 /* y[0:H] += out_scale * sum over slots s of act(g_s, u_s) * down_s, bundles [S, 3, H] of `dtype`,
  * scales [S, 3] (int8 only, else NULL), channels [H] (int8 only, else NULL: a down column is its int8 row times
- * its row scale times these per-channel scales, applied once to the sum). counts[0] += up rows read, counts[1] += neurons that fired
- * (activation != 0, their down columns read).
+ * its row scale times these per-channel scales, applied once to the sum). counts[0] += gate rows read, counts[1] += up rows
+ * read, counts[2] += neurons that fired (activation != 0, their down columns read).
+ *
+ * tied > 0: the n slots are the first halves of tied pairs, whose second halves sit at slot + tied with the same gate
+ * row and scale and minus the up row (runtime/units.py tied_bundles); one gate and one up dot give both halves
+ * (the float dot of -u is minus that of u, so each half's activation is the one computed from its own rows), and the
+ * fired list is the first halves' then the second halves', each ascending: over slots 0..tied-1 of a resident unit
+ * that is the order sf_sparse_mlp over all 2 tied slots fires them in, so the sums are the same, bit for bit.
  *
  * Three passes, each over a list known before it starts, so every pass prefetches the rows of its next block
  * while computing the current one: (1) every slot's gate row; (2) the up rows of the neurons whose gate does
@@ -743,19 +751,20 @@ static SF_INLINE void block_rows(const char *base, int64_t bundle_bytes, int64_t
  * and the threads' sums added to y in thread order (deterministic for a thread count). A single pass that decided up and down per block of 4 waited on memory twice per block. */
 static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, const float *channels, const int dtype, int64_t hidden, const int64_t *slots,
                                        int64_t n, const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts,
-                                       int nthreads) {
+                                       int64_t tied, int nthreads) {
     if (n <= 0) return 0;
     const char *base = (const char *)bundles;
-    const int64_t row_bytes = hidden * ELEM_SIZE[dtype], bundle_bytes = 3 * row_bytes;
-    float *g = malloc(sizeof(float) * (n + 4)), *h = malloc(sizeof(float) * (n + 4));
-    int64_t *live = malloc(sizeof(int64_t) * (n + 4)), *fired = malloc(sizeof(int64_t) * (n + 4));
+    const int64_t row_bytes = hidden * ELEM_SIZE[dtype], bundle_bytes = 3 * row_bytes, per = tied ? 2 : 1;
+    float *g = malloc(sizeof(float) * (n + 4)), *h = malloc(sizeof(float) * per * (n + 4));
+    int64_t *live = malloc(sizeof(int64_t) * (n + 4)), *fired = malloc(sizeof(int64_t) * per * (n + 4));
     int64_t nl = 0, nf = 0;
-    int nt = threads_for(nthreads, n);
+    int nt = threads_for(nthreads, per * n);  /* as over all the neurons, so tied and untied split the sums alike */
     float *part = malloc(sizeof(float) * (size_t)(nt * hidden));  /* per-thread sums of down columns */
     if (!g || !h || !live || !fired || !part) {
         free(g), free(h), free(live), free(fired), free(part);
         return -1;
     }
+    float *h2 = h + n + 4;  /* tied: the second halves' activations, then the fired list's */
     int8_t xq[dtype == SF_I8 ? hidden : 1];  /* int8 rows: x quantized once for both dot passes */
     float xd[dtype == SF_I8 ? q8_blocks(hidden) : 1];
     if (dtype == SF_I8) quantize_q8(x, hidden, xq, xd);
@@ -782,12 +791,19 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
             for (int j = 0; j < 4 && k0 + j < nl; j++) {
                 int64_t k = live[k0 + j];
                 const float *sc = scales ? scales + 3 * slots[k] : NULL;
-                h[k0 + j] = activation(act, g[k], u[j] * (sc ? sc[1] : 1.0f), threshold) * out_scale * (sc ? sc[2] : 1.0f);
+                const float uk = u[j] * (sc ? sc[1] : 1.0f);
+                h[k0 + j] = activation(act, g[k], uk, threshold) * out_scale * (sc ? sc[2] : 1.0f);
+                if (tied) h2[k0 + j] = activation(act, g[k], -uk, threshold) * out_scale * (sc ? scales[3 * (slots[k] + tied) + 2] : 1.0f);
             }
         }
 #pragma omp single
-        for (int64_t j = 0; j < nl; j++)
-            if (h[j] != 0.0f) h[nf] = h[j], fired[nf++] = live[j];  /* compacted in place: nf <= j */
+        {
+            /* fired: slots, compacted in place (nf <= j); tied: the first halves', then the second halves' */
+            for (int64_t j = 0; j < nl; j++)
+                if (h[j] != 0.0f) h[nf] = h[j], fired[nf++] = slots[live[j]];
+            for (int64_t j = 0; tied && j < nl; j++)
+                if (h2[j] != 0.0f) h[nf] = h2[j], fired[nf++] = slots[live[j]] + tied;
+        }
         /* down columns: a fixed share of the fired list per thread (static), each thread's sum in its own row of
          * `part`, the rows added in thread order: the same sums in the same order on every run. With the int8
          * kernels a last-bit difference in y could move an input's int8 rounding in the next layer, and greedy
@@ -803,8 +819,8 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
         for (int64_t k0 = 0; k0 < nf; k0 += 4) {
             float a[4];
             for (int j = 0; j < 4; j++) a[j] = k0 + j < nf ? h[k0 + j] : 0.0f;
-            block_rows(base, bundle_bytes, 2 * row_bytes, slots, fired, k0, nf, r);
-            if (k0 + 4 < nf) block_rows(base, bundle_bytes, 2 * row_bytes, slots, fired, k0 + 4, nf, next);
+            block_rows(base, bundle_bytes, 2 * row_bytes, fired, NULL, k0, nf, r);
+            if (k0 + 4 < nf) block_rows(base, bundle_bytes, 2 * row_bytes, fired, NULL, k0 + 4, nf, next);
             axpy4(a, r[0], r[1], r[2], r[3], acc, hidden, dtype, k0 + 4 < nf ? next : NULL);
         }
         if (nf > 0) {
@@ -816,8 +832,7 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
             }
         }
     }
-    counts[0] += nl;
-    counts[1] += nf;
+    counts[0] += n, counts[1] += nl, counts[2] += nf;
     free(g), free(h), free(live), free(fired), free(part);
     return 0;
 }
@@ -838,7 +853,18 @@ int64_t sf_gated_act(const float *gate_up, int64_t n, int act, float threshold, 
 int sf_sparse_mlp(const void *bundles, const float *scales, const float *channels, int dtype, int64_t hidden, const int64_t *slots, int64_t n,
                   const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts, int nthreads) {
     int rc = 0;
-#define SF_SPARSE_MLP(DT) rc = sparse_mlp_impl(bundles, scales, channels, DT, hidden, slots, n, x, act, threshold, out_scale, y, counts, nthreads)
+#define SF_SPARSE_MLP(DT) rc = sparse_mlp_impl(bundles, scales, channels, DT, hidden, slots, n, x, act, threshold, out_scale, y, counts, tied, nthreads)
+    const int64_t tied = 0;
+    SF_DISPATCH(SF_SPARSE_MLP)
+    return rc;
+}
+
+/* sf_sparse_mlp over the n pairs of tied halves whose first halves are at `slots` and second halves at slot + half,
+ * half > 0 (sparse_mlp_impl's tied); 0, or -1 as sf_sparse_mlp */
+int sf_tied_mlp(const void *bundles, const float *scales, const float *channels, int dtype, int64_t hidden, const int64_t *slots, int64_t n,
+                int64_t half, const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts, int nthreads) {
+    int rc = 0;
+    const int64_t tied = half;
     SF_DISPATCH(SF_SPARSE_MLP)
     return rc;
 }
@@ -1054,6 +1080,7 @@ typedef struct {
     const float *su_s, *su_r, *su_n;
     double *sg_scratch; /* the screen's gate bounds and flags (UnitScreen.scratch) */
     int64_t sg_tied;    /* the screen's tables are of tied halves (sf_mlp_screen) */
+    int64_t b_tied;     /* every neuron, of tied halves at slot = neuron: sf_tied_mlp over the inter / 2 pairs (ids 0..) */
 } sf_layer;
 
 static double seconds_now(void) {
@@ -1064,7 +1091,7 @@ static double seconds_now(void) {
 
 /* Every layer of one decode step for one row at position pos, then out = rms_norm(x) * final_norm (the lm_head's
  * input). k_cache, v_cache: layer 0's [kv_heads, context, hd] of this row, layer i at + i * layer_stride floats.
- * counts[0..1]: the sparse kernel's up rows and down columns read (added to); stats[0] += neurons computed by the
+ * counts[0..2]: the sparse kernel's gate rows, up rows and down columns read (added to); stats[0] += neurons computed by the
  * sparse kernel, stats[1] += neurons the dense activation fired, stats[2] += up rows the screen read; seconds[0..2] +=
  * wall time in attention blocks, predictors or screens, and MLPs. Returns 0, or -1 when the sparse kernel could not allocate its lists (x is then partly
  * updated: the step must be discarded). */
@@ -1094,8 +1121,10 @@ int sf_decode_layers(const sf_layer *layers, int64_t n_layers, float *x, float *
                                   L->act_threshold, L->ids, stats + 2, L->sg_scratch, (int)L->sg_tied, nthreads);
                 t2 = seconds_now();
             }
-            if (sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, n, xn, (int)L->act, L->act_threshold,
-                              1.0f, x, counts, nthreads))
+            if (L->b_tied ? sf_tied_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, n / 2, n / 2, xn, (int)L->act,
+                                        L->act_threshold, 1.0f, x, counts, nthreads)
+                          : sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, n, xn, (int)L->act,
+                                          L->act_threshold, 1.0f, x, counts, nthreads))
                 return -1;
             stats[0] += n;
         }
