@@ -89,7 +89,7 @@ class SfLayer(ctypes.Structure):
 class LeanStep:
     """A batch-1 decode step's layers as one prepared native call: the same kernels and counters as the per-layer
     path (sparse: sf_predict then sf_sparse_mlp over the predicted neurons; screen: sf_mlp_screen then sf_sparse_mlp
-    over the neurons it keeps; oracle: sf_sparse_mlp over all, or sf_tied_mlp over every pair of tied halves; dense:
+    over the neurons it keeps; oracle: sf_sparse_mlp over all, or over every pair of tied halves; dense:
     sf_matvec gate_up, sf_gated_act, sf_matvec down accumulated into the residual), without the unit requests,
     tensors and ctypes calls that path makes per layer. `seconds` accumulates the wall time in attention blocks,
     predictors or screens, and MLPs (benchmarks/kernels.py reads it)."""

@@ -88,7 +88,7 @@ class SparseMLP:
             neurons = self._screen_row(layer, expert, xn)
         act, threads, counts = self.model.activations[layer], self.model.threads, self.meter.rows_read
         if neurons is None and unit.tied:  # every neuron of a resident unit of tied halves: a pair at a time
-            kernels.tied_mlp_native(unit.bundles, unit.scales, unit.channels, self._all_neurons(I // 2), xn, act, y, scale, counts, threads)
+            kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, self._all_neurons(I // 2), xn, act, y, scale, counts, threads, tied=True)
             self.meter.native_mlp(I, I, row_bytes(unit))
             return
         neurons = self._computed(unit, neurons)

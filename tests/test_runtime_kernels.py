@@ -180,7 +180,7 @@ def test_int8_down_columns_scale_per_channel():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("threshold", [0.0, 0.3])
-def test_tied_mlp_native_is_the_sparse_kernel_over_both_halves_bit_for_bit(dtype, threshold):
+def test_the_sparse_kernel_over_tied_pairs_is_it_over_both_halves_bit_for_bit(dtype, threshold):
     """Pairs of tied halves from one gate and one up row each: over every pair, or some, bitwise the sparse kernel's y
     over both halves of them (the same fired list, in the same order), reading half the gate and up rows."""
     g = torch.Generator().manual_seed(7)
@@ -195,7 +195,7 @@ def test_tied_mlp_native_is_the_sparse_kernel_over_both_halves_bit_for_bit(dtype
             x = torch.randn(hidden, generator=g)
             y_tied, y_all = torch.full((hidden,), 0.5), torch.full((hidden,), 0.5)
             c_tied, c_all = torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)
-            kernels.tied_mlp_native(bundles, scales, channels, some, x, act, y_tied, 0.7, c_tied, 2)
+            kernels.sparse_mlp_native(bundles, scales, channels, some, x, act, y_tied, 0.7, c_tied, 2, tied=True)
             kernels.sparse_mlp_native(bundles, scales, channels, torch.cat([some, some + pairs]), x, act, y_all, 0.7, c_all, 2)
             assert torch.equal(y_tied, y_all)
             assert c_tied[0] == some.numel() and 2 * c_tied[1] == c_all[1] and c_tied[2] == c_all[2] > 0

@@ -19,8 +19,8 @@
  *                  makes the activation zero skips reading its up row and down column, one whose
  *                  activation is zero skips its down column; counts[0..2] report how many gate rows, up
  *                  rows and down columns were read (so the engine counts the bytes it touched).
- *   sf_tied_mlp    sf_sparse_mlp over tied halves (neuron I/2 + i: neuron i's gate row, minus its up row): one gate
- *                  and one up row give both halves of a pair, so every neuron is computed from half the rows
+ *                  Over tied halves (neuron I/2 + i: neuron i's gate row, minus its up row) it takes the pairs: one
+ *                  gate and one up row give both halves, so every neuron is computed from half those rows.
  *   sf_mlp_screen  ids of the neurons an int8 copy of the gate (and up) rows cannot prove zero, with a rigorous bound
  *                  on each row's error (runtime/screen.py): sf_sparse_mlp over them equals it over every neuron
  *   sf_predict_mlp sf_predict, then sf_sparse_mlp over the predicted neurons' slots, in one call (a hybrid
@@ -849,22 +849,12 @@ int64_t sf_gated_act(const float *gate_up, int64_t n, int act, float threshold, 
     return fired;
 }
 
-/* 0, or -1 when its scratch lists (4 x n entries) could not be allocated (nothing is added to y then) */
+/* sparse_mlp_impl for the given dtype (tied: 0, or the slot offset of tied pairs' second halves); 0, or -1 when its
+ * scratch lists (4 x n entries, 6 x n tied) could not be allocated (nothing is added to y then) */
 int sf_sparse_mlp(const void *bundles, const float *scales, const float *channels, int dtype, int64_t hidden, const int64_t *slots, int64_t n,
-                  const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts, int nthreads) {
+                  int64_t tied, const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts, int nthreads) {
     int rc = 0;
 #define SF_SPARSE_MLP(DT) rc = sparse_mlp_impl(bundles, scales, channels, DT, hidden, slots, n, x, act, threshold, out_scale, y, counts, tied, nthreads)
-    const int64_t tied = 0;
-    SF_DISPATCH(SF_SPARSE_MLP)
-    return rc;
-}
-
-/* sf_sparse_mlp over the n pairs of tied halves whose first halves are at `slots` and second halves at slot + half,
- * half > 0 (sparse_mlp_impl's tied); 0, or -1 as sf_sparse_mlp */
-int sf_tied_mlp(const void *bundles, const float *scales, const float *channels, int dtype, int64_t hidden, const int64_t *slots, int64_t n,
-                int64_t half, const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts, int nthreads) {
-    int rc = 0;
-    const int64_t tied = half;
     SF_DISPATCH(SF_SPARSE_MLP)
     return rc;
 }
@@ -884,7 +874,7 @@ int64_t sf_predict_mlp(const void *fc1, const float *s1, const void *fc2t, const
     for (int64_t i = 0; i < n; i++)
         if (slot_of[ids[i]] >= 0) ids[m++] = slot_of[ids[i]];
     *predictor_seconds += seconds_now() - t0;
-    int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, x, act, threshold, out_scale, y, counts, nthreads);
+    int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, 0, x, act, threshold, out_scale, y, counts, nthreads);
     return rc ? -1 : m;
 }
 
@@ -1080,7 +1070,7 @@ typedef struct {
     const float *su_s, *su_r, *su_n;
     double *sg_scratch; /* the screen's gate bounds and flags (UnitScreen.scratch) */
     int64_t sg_tied;    /* the screen's tables are of tied halves (sf_mlp_screen) */
-    int64_t b_tied;     /* every neuron, of tied halves at slot = neuron: sf_tied_mlp over the inter / 2 pairs (ids 0..) */
+    int64_t b_tied;     /* every neuron, of tied halves at slot = neuron: sf_sparse_mlp over the inter / 2 pairs (ids 0..) */
 } sf_layer;
 
 static double seconds_now(void) {
@@ -1121,10 +1111,9 @@ int sf_decode_layers(const sf_layer *layers, int64_t n_layers, float *x, float *
                                   L->act_threshold, L->ids, stats + 2, L->sg_scratch, (int)L->sg_tied, nthreads);
                 t2 = seconds_now();
             }
-            if (L->b_tied ? sf_tied_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, n / 2, n / 2, xn, (int)L->act,
-                                        L->act_threshold, 1.0f, x, counts, nthreads)
-                          : sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, n, xn, (int)L->act,
-                                          L->act_threshold, 1.0f, x, counts, nthreads))
+            const int64_t tied = L->b_tied ? n / 2 : 0;  /* every pair of tied halves: ids 0 .. n/2 - 1 */
+            if (sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, tied ? tied : n, tied, xn, (int)L->act,
+                              L->act_threshold, 1.0f, x, counts, nthreads))
                 return -1;
             stats[0] += n;
         }
