@@ -116,13 +116,27 @@ def results_path(out: str) -> Path:
     return Path(out) if "/" in out else RESULTS / out
 
 
+def _portable(value):
+    """value with every string under the data folder written as $SPARSEFORGE_DATA/...: results hold no machine's paths."""
+    from sparseforge.data import DATA_ENV, data_root
+
+    root = str(data_root().resolve())
+    if isinstance(value, dict):
+        return {k: _portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_portable(v) for v in value]
+    if isinstance(value, str) and value.startswith(root + os.sep):
+        return f"${DATA_ENV}/" + value[len(root) + 1 :]
+    return value
+
+
 def write_results(out: str, data: dict, table: str) -> tuple[Path, Path]:
     """Write OUT.json (data) and OUT.md (the table and the run's settings) atomically, OUT as results_path says."""
     from sparseforge.atomic import atomic_write_text
 
     base = results_path(out)
     base.parent.mkdir(parents=True, exist_ok=True)
-    data = {**data, "loadavg_end": os.getloadavg()}
+    data = {**_portable(data), "loadavg_end": os.getloadavg()}
     js, md = base.parent / f"{base.name}.json", base.parent / f"{base.name}.md"
     atomic_write_text(js, json.dumps(data, indent=1) + "\n")
     env = data["environment"]

@@ -18,6 +18,20 @@ def test_out_is_a_name_under_results_or_a_path(tmp_path):
     assert "command: `python benchmarks/x.py`" in md.read_text()
 
 
+def test_results_write_paths_under_the_data_folder_portably(tmp_path, monkeypatch):
+    """A checkpoint records the resolved data paths it was measured on; the results JSON names them under
+    $SPARSEFORGE_DATA, so no machine's folders land in the repository."""
+    common = load_script("common")
+    root = tmp_path / "data"
+    monkeypatch.setenv("SPARSEFORGE_DATA", str(root))
+    glob = str(root.resolve() / "pretrain" / "*" / "*.jsonl.gz")
+    data = {"command": "x", "environment": common.environment(1), "sparsity": {"data": [glob], "tokens": 8}, "other": str(tmp_path / "datax")}
+    js, _ = common.write_results(str(tmp_path / "out"), data, "| t |")
+    kept = json.loads(js.read_text())
+    assert kept["sparsity"] == {"data": ["$SPARSEFORGE_DATA/pretrain/*/*.jsonl.gz"], "tokens": 8}
+    assert kept["other"] == str(tmp_path / "datax")  # a sibling folder whose name starts the same is not under it
+
+
 def test_ratios_give_each_row_the_sparse_speedup_and_its_multiple_of_the_reference():
     ratios = load_script("common").ratios
     rows = [{"precision": "fp32", "mode": m, "full_head": True, "decode_tps": tps, "decode_all": [tps, tps * 1.1]}
