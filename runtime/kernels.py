@@ -76,13 +76,22 @@ def _cpu_id() -> str:
     return platform.processor() or platform.machine()
 
 
+FLAGS_ENV = "SPARSEFORGE_KERNEL_FLAGS"  # extra compiler flags, e.g. "-DSF_MLP_AHEAD=4" (benchmarks/kernel_builds.py)
+
+
+def build_flags() -> tuple[str, ...]:
+    """The compiler flags of the kernel library: FLAGS and $SPARSEFORGE_KERNEL_FLAGS (split on spaces) after them."""
+    return FLAGS + tuple(os.environ.get(FLAGS_ENV, "").split())
+
+
 def _compile(out: Path) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         raise OSError("no C compiler (cc, gcc or clang) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
+    flags = build_flags()
     with atomic_path(out) as tmp:
-        for flags in (FLAGS, tuple(f for f in FLAGS if f != "-fopenmp")):  # OpenMP is optional
+        for flags in (flags, tuple(f for f in flags if f != "-fopenmp")):  # OpenMP is optional
             done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True)
             if done.returncode == 0:
                 return
@@ -95,7 +104,7 @@ def native() -> ctypes.CDLL | None:
     when SPARSEFORGE_NATIVE=0."""
     if os.environ.get("SPARSEFORGE_NATIVE", "1") == "0":
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(build_flags()).encode() + _cpu_id().encode()).hexdigest()[:16]
     path = cache_dir() / f"sparse_kernels-{key}.so"
     try:
         if not path.is_file():

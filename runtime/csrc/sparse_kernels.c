@@ -52,6 +52,9 @@
 #ifndef SF_PREFETCH
 #define SF_PREFETCH 1 /* software prefetch of the next block's rows while a block is computed (-DSF_PREFETCH=0: none) */
 #endif
+#ifndef SF_MLP_AHEAD
+#define SF_MLP_AHEAD 12 /* the sparse MLP's passes prefetch the rows this many list entries ahead (a multiple of 4: three blocks) */
+#endif
 #define SF_INLINE inline __attribute__((always_inline))
 
 enum { SF_F32 = 0, SF_BF16 = 1, SF_F16 = 2, SF_I8 = 3 };
@@ -745,8 +748,9 @@ static SF_INLINE void block_rows(const char *base, int64_t bundle_bytes, int64_t
  * fired list is the first halves' then the second halves', each ascending: over slots 0..tied-1 of a resident unit
  * that is the order sf_sparse_mlp over all 2 tied slots fires them in, so the sums are the same, bit for bit.
  *
- * Three passes, each over a list known before it starts, so every pass prefetches the rows of its next block
- * while computing the current one: (1) every slot's gate row; (2) the up rows of the neurons whose gate does
+ * Three passes, each over a list known before it starts, so every pass prefetches the rows SF_MLP_AHEAD entries
+ * ahead (three blocks: one block ahead left a thread waiting on memory, as the rows are 1-3 KB pieces of
+ * scattered bundles that the hardware prefetcher does not follow) while computing a block: (1) every slot's gate row; (2) the up rows of the neurons whose gate does
  * not already zero the activation; (3) the down columns of the neurons that fired, accumulated per thread
  * and the threads' sums added to y in thread order (deterministic for a thread count). A single pass that decided up and down per block of 4 waited on memory twice per block. */
 static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, const float *channels, const int dtype, int64_t hidden, const int64_t *slots,
@@ -775,8 +779,8 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
         for (int64_t k0 = 0; k0 < n; k0 += 4) {
             float d[4];
             block_rows(base, bundle_bytes, 0, slots, NULL, k0, n, r);
-            if (k0 + 4 < n) block_rows(base, bundle_bytes, 0, slots, NULL, k0 + 4, n, next);
-            dot4_x(r, x, xq, xd, hidden, dtype, d, k0 + 4 < n ? next : NULL);
+            if (k0 + SF_MLP_AHEAD < n) block_rows(base, bundle_bytes, 0, slots, NULL, k0 + SF_MLP_AHEAD, n, next);
+            dot4_x(r, x, xq, xd, hidden, dtype, d, k0 + SF_MLP_AHEAD < n ? next : NULL);
             for (int j = 0; j < 4 && k0 + j < n; j++) g[k0 + j] = scales ? d[j] * scales[3 * slots[k0 + j]] : d[j];
         }
 #pragma omp single
@@ -786,8 +790,8 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
         for (int64_t k0 = 0; k0 < nl; k0 += 4) {
             float u[4];
             block_rows(base, bundle_bytes, row_bytes, slots, live, k0, nl, r);
-            if (k0 + 4 < nl) block_rows(base, bundle_bytes, row_bytes, slots, live, k0 + 4, nl, next);
-            dot4_x(r, x, xq, xd, hidden, dtype, u, k0 + 4 < nl ? next : NULL);
+            if (k0 + SF_MLP_AHEAD < nl) block_rows(base, bundle_bytes, row_bytes, slots, live, k0 + SF_MLP_AHEAD, nl, next);
+            dot4_x(r, x, xq, xd, hidden, dtype, u, k0 + SF_MLP_AHEAD < nl ? next : NULL);
             for (int j = 0; j < 4 && k0 + j < nl; j++) {
                 int64_t k = live[k0 + j];
                 const float *sc = scales ? scales + 3 * slots[k] : NULL;
@@ -820,8 +824,8 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
             float a[4];
             for (int j = 0; j < 4; j++) a[j] = k0 + j < nf ? h[k0 + j] : 0.0f;
             block_rows(base, bundle_bytes, 2 * row_bytes, fired, NULL, k0, nf, r);
-            if (k0 + 4 < nf) block_rows(base, bundle_bytes, 2 * row_bytes, fired, NULL, k0 + 4, nf, next);
-            axpy4(a, r[0], r[1], r[2], r[3], acc, hidden, dtype, k0 + 4 < nf ? next : NULL);
+            if (k0 + SF_MLP_AHEAD < nf) block_rows(base, bundle_bytes, 2 * row_bytes, fired, NULL, k0 + SF_MLP_AHEAD, nf, next);
+            axpy4(a, r[0], r[1], r[2], r[3], acc, hidden, dtype, k0 + SF_MLP_AHEAD < nf ? next : NULL);
         }
         if (nf > 0) {
 #pragma omp for schedule(static)
@@ -970,6 +974,106 @@ int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const 
     return m;
 }
 
+/* e^x for the softmax's shifted scores (x <= 0): Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+ * polynomial in r, times 2^n), within 1 ulp of expf on [-87.33, 0]; 0 below -87.33 (where e^x leaves the normal floats). Eight at a
+ * time where AVX2 is built: the library expf, one call per score, was most of what an attention block spent beside
+ * its two matvecs. */
+#define EXP_LO -87.33654f
+#define EXP_POLY(P, R, MUL, ADD)                                              \
+    P = ADD(MUL(P, R), 1.3981999507e-3f), P = ADD(MUL(P, R), 8.3334519073e-3f), \
+    P = ADD(MUL(P, R), 4.1665795894e-2f), P = ADD(MUL(P, R), 1.6666665459e-1f), \
+    P = ADD(MUL(P, R), 5.0000001201e-1f)
+static SF_INLINE float fmul1(float a, float b) { return a * b; }
+static SF_INLINE float fadd1(float a, float b) { return a + b; }
+static SF_INLINE float exp_neg1(float x) {
+    if (x != x) return x;  /* NaN stays NaN */
+    if (x < EXP_LO) return 0.0f;
+    float n = nearbyintf(x * 1.44269504088896341f), r = x - n * 0.693359375f, p = 1.9875691500e-4f;
+    r = r - n * -2.12194440e-4f;
+    EXP_POLY(p, r, fmul1, fadd1);
+    p = p * (r * r) + (r + 1.0f);
+    union { int32_t i; float f; } e = {.i = ((int32_t)n + 127) << 23};
+    return p * e.f;
+}
+#if SF_AVX2
+#define MUL8(a, b) _mm256_mul_ps(a, b)
+#define ADD8(a, c) _mm256_add_ps(a, _mm256_set1_ps(c))
+static SF_INLINE __m256 exp_neg8(__m256 x) {
+    const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_LT_OQ), nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))), p = _mm256_set1_ps(1.9875691500e-4f);
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    EXP_POLY(p, r, MUL8, ADD8);
+    p = _mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_or_ps(nan, _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e))));  /* NaN stays NaN */
+}
+#endif
+
+/* sc[0:n] = e^(sc - mx) (mx >= every sc), returning their sum */
+static SF_INLINE float softmax_exps(float *sc, int64_t n, float mx) {
+    int64_t s = 0;
+    float sum = 0.0f;
+#if SF_AVX2
+    __m256 vm = _mm256_set1_ps(mx), acc = _mm256_setzero_ps();
+    for (; s + 8 <= n; s += 8) {
+        __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(sc + s), vm));
+        _mm256_storeu_ps(sc + s, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    sum = hsum256(acc);
+#endif
+    for (; s < n; s++) sum += (sc[s] = exp_neg1(sc[s] - mx));
+    return sum;
+}
+
+/* o[0:hd] = softmax(scale * (q . k_s)) weighted sum of v_s over n cached positions (k, v: [n, hd] rows); sc: n
+ * floats of scratch. Four positions at a time where AVX2 is built and hd is a multiple of 8: four independent dot
+ * chains with one horizontal reduction for the four, and o loaded and stored once per four values (one position at
+ * a time, each dot's reduction and o's loads and stores cost more than its multiply-adds). The weights are the
+ * unnormalized exponentials; o is divided by their sum once at the end. */
+static SF_INLINE void attend_head(const float *q, const float *k, const float *v, int64_t n, int64_t hd, float scale, float *sc, float *o) {
+    int64_t s = 0;
+#if SF_AVX2
+    if (hd % 8 == 0)
+        for (; s + 4 <= n; s += 4) {
+            const float *k0 = k + s * hd, *k1 = k0 + hd, *k2 = k1 + hd, *k3 = k2 + hd;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+            for (int64_t j = 0; j < hd; j += 8) {
+                const __m256 qj = _mm256_loadu_ps(q + j);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + j), qj, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k1 + j), qj, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k2 + j), qj, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k3 + j), qj, a3);
+            }
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  /* lanes: the halves' sums */
+            _mm_storeu_ps(sc + s, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_set1_ps(scale)));
+        }
+#endif
+    for (; s < n; s++) sc[s] = dot(k + s * hd, q, hd, SF_F32) * scale;
+    float mx = -INFINITY;
+    for (s = 0; s < n; s++) mx = sc[s] > mx ? sc[s] : mx;
+    const float inv = 1.0f / softmax_exps(sc, n, mx);
+    memset(o, 0, sizeof(float) * hd);
+    s = 0;
+#if SF_AVX2
+    if (hd % 8 == 0)
+        for (; s + 4 <= n; s += 4) {
+            const float *v0 = v + s * hd, *v1 = v0 + hd, *v2 = v1 + hd, *v3 = v2 + hd;
+            const __m256 w0 = _mm256_set1_ps(sc[s]), w1 = _mm256_set1_ps(sc[s + 1]), w2 = _mm256_set1_ps(sc[s + 2]), w3 = _mm256_set1_ps(sc[s + 3]);
+            for (int64_t j = 0; j < hd; j += 8) {
+                __m256 oj = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + j), _mm256_loadu_ps(o + j));
+                oj = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + j), oj);
+                oj = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v2 + j), oj);
+                _mm256_storeu_ps(o + j, _mm256_fmadd_ps(w3, _mm256_loadu_ps(v3 + j), oj));
+            }
+        }
+#endif
+    for (; s < n; s++) axpy(sc[s], v + s * hd, o, hd, SF_F32);
+    for (int64_t j = 0; j < hd; j++) o[j] *= inv;
+}
+
 static void rms_norm(const float *x, const float *w, float eps, int64_t n, float *out) {
     double ss = 0.0;  /* the mean of squares in double: one value per row, cheap, and close to torch's */
     for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
@@ -1016,14 +1120,7 @@ void sf_attention_decode(float *x, float *out, const float *in_norm, const float
 #pragma omp parallel for schedule(static) num_threads(threads_for(nthreads, n * nh))
     for (int64_t h = 0; h < nh; h++) {
         const float *qh = q + h * hd, *kh = k_cache + ((h / group) * context + first) * hd, *vh = v_cache + ((h / group) * context + first) * hd;
-        float *sc = scores + h * n, *o = att + h * hd, mx = -INFINITY, sum = 0.0f;
-        for (int64_t s = 0; s < n; s++) {
-            sc[s] = dot(kh + s * hd, qh, hd, SF_F32) * scale;
-            mx = sc[s] > mx ? sc[s] : mx;
-        }
-        for (int64_t s = 0; s < n; s++) sum += (sc[s] = expf(sc[s] - mx));
-        memset(o, 0, sizeof(float) * hd);
-        for (int64_t s = 0; s < n; s++) axpy(sc[s] / sum, vh + s * hd, o, hd, SF_F32);
+        attend_head(qh, kh, vh, n, hd, scale, scores + h * n, att + h * hd);
     }
     sf_matvec(o_w, o_s, o_b, dtype, hidden, nh * hd, att, 1, xn, nthreads);
     for (int64_t i = 0; i < hidden; i++) x[i] += xn[i];

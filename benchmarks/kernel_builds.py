@@ -1,0 +1,114 @@
+"""Kernel library builds side by side: the decode breakdown of benchmarks/kernels.py under each build's macro
+definitions (-D flags through $SPARSEFORGE_KERNEL_FLAGS, e.g. a prefetch distance), to decide a kernel constant by
+measurement.
+
+    python benchmarks/kernel_builds.py --ckpt runs/quickstart/checkpoint --builds SF_MLP_AHEAD=4 "" \\
+        --runs oracle:int8 screen:float32 sparse:float32 --rounds 5 --out kernel-builds-ahead-t2
+
+Each round runs every build once, in a child process of its own (each build is compiled once into the kernel
+cache, runtime/kernels.py), the builds' order alternating from round to round; a child decodes --new-tokens greedy
+steps after a 64-token prompt in each --runs mode:dtype and reports kernels.py's breakdown (median token time; the
+attention blocks, predictors and MLPs as the one-call decode step times them; the head). The table gives each run
+and build the medians over the rounds, and each build's speed over the first build's, the median of the rounds'
+ratios (the two builds of a round ran one after the other).
+"""
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import OUT_HELP, markdown_table, median, setup, write_results  # noqa: E402
+
+PARTS = ("tok_s", "sf_attention_decode", "lm_head", "predict_native", "sparse_mlp_native")
+
+
+def parse_run(text: str) -> tuple[str, str]:
+    """'oracle:int8' -> ('oracle', 'int8'); a one-line error naming the bad value and the form."""
+    from kernels import DTYPES
+
+    mode, _, dtype = text.partition(":")
+    if mode not in ("dense", "oracle", "sparse", "screen") or dtype not in DTYPES:
+        raise argparse.ArgumentTypeError(f"--runs {text!r}: expected MODE:DTYPE, MODE one of dense, oracle, sparse, screen and DTYPE one of {', '.join(DTYPES)}")
+    return mode, dtype
+
+
+def child(args) -> None:
+    """One build's rows, as JSON on stdout (the flags are this process's $SPARSEFORGE_KERNEL_FLAGS)."""
+    from kernels import decode_breakdown
+
+    rows = [decode_breakdown(Path(args.ckpt), m, d, args.threads, args.new_tokens, not args.full_head) for m, d in args.runs]
+    print(json.dumps(rows))
+
+
+def run_build(args, flags: str) -> list[dict]:
+    """The child's rows under the build's macro definitions `flags` ("NAME=VALUE ...")."""
+    from sparseforge.runtime.kernels import FLAGS_ENV
+
+    cmd = [sys.executable, __file__, "--child", "--ckpt", args.ckpt, "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
+           "--runs", *[f"{m}:{d}" for m, d in args.runs]] + (["--full-head"] if args.full_head else [])  # fmt: skip
+    done = subprocess.run(cmd, env={**os.environ, FLAGS_ENV: " ".join(f"-D{d}" for d in flags.split())}, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"build {flags or '(default)'!r} failed: {done.stderr.strip()[-800:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summarize(rounds: list[dict[str, list[dict]]], builds: list[str]) -> list[dict]:
+    """Per run and build: the medians of PARTS over the rounds, and tok/s over the first build's (median of ratios)."""
+    out = []
+    for i, first in enumerate(rounds[0][builds[0]]):
+        for b in builds:
+            rows = [r[b][i] for r in rounds]
+            row = {"mode": first["mode"], "dtype": first["dtype"], "head": first["head"], "build": b or "(default)",
+                   **{k: median([x[k] for x in rows]) for k in PARTS}, "tok_s_all": [x["tok_s"] for x in rows]}  # fmt: skip
+            row["over_first"] = median([r[b][i]["tok_s"] / r[builds[0]][i]["tok_s"] for r in rounds])
+            out.append(row)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="a sparse checkpoint (with predictors for a sparse run)")
+    p.add_argument("--builds", nargs="+", default=None, help='each build\'s macro definitions, space-separated, e.g. SF_MLP_AHEAD=4 "" ("": the default build)')
+    p.add_argument("--runs", nargs="+", type=parse_run, default=[("oracle", "int8")], help="MODE:DTYPE engines to time, e.g. oracle:int8 screen:float32")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of every build (the order alternates)")
+    p.add_argument("--threads", type=int, default=2, help="kernel threads")
+    p.add_argument("--new-tokens", type=int, default=64, help="decode steps per engine")
+    p.add_argument("--full-head", action="store_true", help="greedy steps read the whole lm_head (no int8 screen)")
+    p.add_argument("--out", default=None, help=f"{OUT_HELP} (default kernel-builds-t<threads>)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    if not args.builds:
+        p.error("--builds: name at least one build, e.g. --builds SF_MLP_AHEAD=4 \"\"")
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: needs at least 1")
+    if any(m == "sparse" for m, _ in args.runs) and not (Path(args.ckpt) / "predictors.json").is_file():
+        p.error(f"--ckpt {args.ckpt} has no predictors.json, which a sparse run needs; train them (sparseforge predictors train) or leave it out")
+    env, bandwidth = setup(args.threads)
+    rounds = []
+    for r in range(args.rounds):
+        order = args.builds if r % 2 == 0 else args.builds[::-1]
+        rounds.append({b: run_build(args, b) for b in order})
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{b or '(default)'} {x['tok_s']:.1f}" for b in args.builds for x in rounds[-1][b]),
+              file=sys.stderr, flush=True)  # fmt: skip
+    rows = summarize(rounds, args.builds)
+    table = markdown_table(rows, [("dtype", "weights", ""), ("mode", "mode", ""), ("build", "build", ""), ("tok_s", "decode tok/s", ".1f"),
+                                  ("over_first", "÷ first build", ".3f"), ("sf_attention_decode", "attention ms", ".2f"), ("head", "head", ""),
+                                  ("lm_head", "head ms", ".2f"), ("predict_native", "predictor ms", ".2f"), ("sparse_mlp_native", "MLP ms", ".2f")])  # fmt: skip
+    table += (f"\n\nMedians over {args.rounds} rounds ({args.new_tokens} greedy steps after a 64-token prompt, {args.threads} thread(s)); "
+              f"÷ first build: the median of the rounds' ratios. read bandwidth {bandwidth['read_gbs']:.1f} GB/s")  # fmt: skip
+    command = "python " + shlex.join(sys.argv)
+    js, md = write_results(args.out or f"kernel-builds-t{args.threads}", {"environment": env, "bandwidth": bandwidth, "command": command,
+                                                                           "builds": args.builds, "rounds": rounds, "rows": rows}, table)  # fmt: skip
+    print(table)
+    print(f"wrote {js}\nwrote {md}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""benchmarks/kernel_builds.py: each build decodes in a child process under its own macro definitions (a library
+of its own in the kernel cache), and the table's ratios are the rounds' medians against the first build."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from scripts import BENCHMARKS, load_script
+from tiny import profiled_checkpoint
+
+from sparseforge.runtime import kernels
+
+pytestmark = pytest.mark.skipif(kernels.native() is None, reason="no C compiler: the native kernels did not build")
+
+
+def test_build_flags_add_the_environment_s_after_the_defaults(monkeypatch):
+    monkeypatch.setenv(kernels.FLAGS_ENV, "-DSF_MLP_AHEAD=4  -DSF_PREFETCH=0")
+    assert kernels.build_flags() == kernels.FLAGS + ("-DSF_MLP_AHEAD=4", "-DSF_PREFETCH=0")
+    monkeypatch.delenv(kernels.FLAGS_ENV)
+    assert kernels.build_flags() == kernels.FLAGS
+
+
+def test_rows_are_medians_and_ratios_are_per_round():
+    bench = load_script("kernel_builds")
+    row = {"mode": "oracle", "dtype": "int8", "head": "full", "sf_attention_decode": 1.0, "lm_head": 0.5, "predict_native": 0.0, "sparse_mlp_native": 2.0}
+    rounds = [{"A=1": [{**row, "tok_s": a}], "": [{**row, "tok_s": b}]} for a, b in ((100.0, 110.0), (200.0, 180.0), (100.0, 130.0))]
+    rows = bench.summarize(rounds, ["A=1", ""])
+    assert [r["build"] for r in rows] == ["A=1", "(default)"]
+    assert rows[0]["tok_s"] == 100.0 and rows[1]["tok_s"] == 130.0 and rows[0]["over_first"] == 1.0
+    assert rows[1]["over_first"] == pytest.approx(1.1)  # the rounds' ratios 1.1, 0.9, 1.3: not 130 / 100
+
+
+def test_a_bad_run_is_one_line_naming_the_form():
+    with pytest.raises(Exception, match="expected MODE:DTYPE"):
+        load_script("kernel_builds").parse_run("oracle:fp8")
+
+
+def test_two_builds_time_the_same_checkpoint(tmp_path):
+    ckpt, _, _ = profiled_checkpoint(tmp_path, "llama")
+    out = tmp_path / "res" / "builds"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "kernel_builds.py"), "--ckpt", str(ckpt), "--builds", "SF_MLP_AHEAD=4", "",
+                           "--runs", "oracle:int8", "dense:float32", "--rounds", "2", "--threads", "1", "--new-tokens", "3", "--out", str(out)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["mode"], r["dtype"], r["build"]) for r in data["rows"]] == [
+        ("oracle", "int8", "SF_MLP_AHEAD=4"), ("oracle", "int8", "(default)"), ("dense", "float32", "SF_MLP_AHEAD=4"), ("dense", "float32", "(default)")]
+    assert all(r["tok_s"] > 0 and r["sparse_mlp_native"] > 0 and len(r["tok_s_all"]) == 2 for r in data["rows"])
+    assert list(data["rounds"][1]) == ["", "SF_MLP_AHEAD=4"]  # the order alternates
