@@ -50,7 +50,7 @@
 #endif
 
 #ifndef SF_PREFETCH
-#define SF_PREFETCH 1 /* software prefetch of the next block's rows while a block is computed (-DSF_PREFETCH=0: none) */
+#define SF_PREFETCH 1 /* software prefetch of rows ahead while a block is computed (-DSF_PREFETCH=0: none) */
 #endif
 #ifndef SF_MLP_AHEAD
 #define SF_MLP_AHEAD 12 /* the sparse MLP's passes prefetch the rows this many list entries ahead (a multiple of 4: three blocks) */
@@ -749,10 +749,11 @@ static SF_INLINE void block_rows(const char *base, int64_t bundle_bytes, int64_t
  * that is the order sf_sparse_mlp over all 2 tied slots fires them in, so the sums are the same, bit for bit.
  *
  * Three passes, each over a list known before it starts, so every pass prefetches the rows SF_MLP_AHEAD entries
- * ahead (three blocks: one block ahead left a thread waiting on memory, as the rows are 1-3 KB pieces of
- * scattered bundles that the hardware prefetcher does not follow) while computing a block: (1) every slot's gate row; (2) the up rows of the neurons whose gate does
- * not already zero the activation; (3) the down columns of the neurons that fired, accumulated per thread
- * and the threads' sums added to y in thread order (deterministic for a thread count). A single pass that decided up and down per block of 4 waited on memory twice per block. */
+ * ahead while it computes a block of 4 (one block ahead left a thread waiting on memory: the rows are pieces of
+ * scattered bundles, 576 bytes at int8, that the hardware prefetcher does not follow): (1) every slot's gate row;
+ * (2) the up rows of the neurons whose gate does not already zero the activation; (3) the down columns of the
+ * neurons that fired, accumulated per thread and the threads' sums added to y in thread order (deterministic for a
+ * thread count). A single pass that decided up and down per block of 4 waited on memory twice per block. */
 static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, const float *channels, const int dtype, int64_t hidden, const int64_t *slots,
                                        int64_t n, const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts,
                                        int64_t tied, int nthreads) {
@@ -975,9 +976,8 @@ int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const 
 }
 
 /* e^x for the softmax's shifted scores (x <= 0): Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6
- * polynomial in r, times 2^n), within 1 ulp of expf on [-87.33, 0]; 0 below -87.33 (where e^x leaves the normal floats). Eight at a
- * time where AVX2 is built: the library expf, one call per score, was most of what an attention block spent beside
- * its two matvecs. */
+ * polynomial in r, times 2^n), within 1 ulp of expf on [-87.33, 0], 0 below it (where e^x leaves the normal
+ * floats); eight at a time where AVX2 is built, where the library's expf takes a call per score. */
 #define EXP_LO -87.33654f
 #define EXP_POLY(P, R, MUL, ADD)                                              \
     P = ADD(MUL(P, R), 1.3981999507e-3f), P = ADD(MUL(P, R), 8.3334519073e-3f), \
