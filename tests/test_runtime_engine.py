@@ -78,6 +78,20 @@ def test_dense_and_oracle_match_hf_prefill_and_decode(ckpts, family, mode):
         torch.testing.assert_close(_engine_logits(engine, ids[1:], 3), ref[1:], atol=2e-5, rtol=1e-4)  # batch 1: the row decoder
 
 
+@pytest.mark.parametrize("head_dim", [12, 24])
+def test_decode_attention_of_any_head_size_matches_hf(tmp_path, one_thread, head_dim):
+    """The native attention takes four cached positions at a time where the head size is a multiple of 8 (24) and
+    one at a time otherwise (12); both, over 17 positions (four blocks and a tail), give HF's logits."""
+    model = convert_model(tiny_model("llama", hidden_size=4 * head_dim), "drelu")
+    ckpt = _save(model, tmp_path / f"hd{head_dim}")
+    ids = _ids(t=17, seed=3)
+    with torch.no_grad():
+        ref = model(ids).logits
+    for native in NATIVE:
+        engine = Engine.load(ckpt, mode="dense", context=32, progress=False, native=native)
+        torch.testing.assert_close(_engine_logits(engine, ids[:1], 2), ref[:1], atol=2e-5, rtol=1e-4)  # batch 1: the row decoder
+
+
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
 def test_sparse_matches_the_predicted_mask_row_by_row(ckpts, family):
     """Prefill (union of rows' neurons, each row masked) and one-token decode both equal the HF model
