@@ -10,7 +10,7 @@ cache, runtime/kernels.py), the builds' order alternating from round to round; a
 steps after a 64-token prompt in each --runs mode:dtype and reports kernels.py's breakdown (median token time; the
 attention blocks, predictors and MLPs as the one-call decode step times them; the head). The table gives each run
 and build the medians over the rounds, and each build's speed over the first build's, the median of the rounds'
-ratios (the two builds of a round ran one after the other).
+ratios (a round's builds ran one after another).
 """
 
 import argparse
@@ -84,6 +84,8 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return child(args)
+    if not (Path(args.ckpt) / "config.json").is_file():
+        p.error(f"--ckpt {args.ckpt}: no checkpoint there (config.json missing); pass a sparseforge checkpoint directory")
     if not args.builds:
         p.error("--builds: name at least one build, e.g. --builds SF_MLP_AHEAD=4 \"\"")
     if args.rounds < 1:
