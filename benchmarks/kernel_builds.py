@@ -7,7 +7,7 @@ measurement.
 
 Each round runs every build once, in a child process of its own (each build is compiled once into the kernel
 cache, runtime/kernels.py), the builds' order alternating from round to round; a child decodes --new-tokens greedy
-steps after a 64-token prompt in each --runs mode:dtype and reports kernels.py's breakdown (median token time; the
+steps after a --prompt-tokens prompt in each --runs mode:dtype and reports kernels.py's breakdown (median token time; the
 attention blocks, predictors and MLPs as the one-call decode step times them; the head). The table gives each run
 and build the medians over the rounds, and each build's speed over the first build's, the median of the rounds'
 ratios (a round's builds ran one after another).
@@ -41,7 +41,7 @@ def child(args) -> None:
     """One build's rows, as JSON on stdout (the flags are this process's $SPARSEFORGE_KERNEL_FLAGS)."""
     from kernels import decode_breakdown
 
-    rows = [decode_breakdown(Path(args.ckpt), m, d, args.threads, args.new_tokens, not args.full_head) for m, d in args.runs]
+    rows = [decode_breakdown(Path(args.ckpt), m, d, args.threads, args.new_tokens, not args.full_head, args.prompt_tokens) for m, d in args.runs]
     print(json.dumps(rows))
 
 
@@ -50,6 +50,7 @@ def run_build(args, flags: str) -> list[dict]:
     from sparseforge.runtime.kernels import FLAGS_ENV
 
     cmd = [sys.executable, __file__, "--child", "--ckpt", args.ckpt, "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
+           "--prompt-tokens", str(args.prompt_tokens),
            "--runs", *[f"{m}:{d}" for m, d in args.runs]] + (["--full-head"] if args.full_head else [])  # fmt: skip
     done = subprocess.run(cmd, env={**os.environ, FLAGS_ENV: " ".join(f"-D{d}" for d in flags.split())}, capture_output=True, text=True)
     if done.returncode != 0:
@@ -78,6 +79,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="rounds of every build (the order alternates)")
     p.add_argument("--threads", type=int, default=2, help="kernel threads")
     p.add_argument("--new-tokens", type=int, default=64, help="decode steps per engine")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="random prompt tokens before the decode steps (the KV cache they fill)")
     p.add_argument("--full-head", action="store_true", help="greedy steps read the whole lm_head (no int8 screen)")
     p.add_argument("--out", default=None, help=f"{OUT_HELP} (default kernel-builds-t<threads>)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -103,7 +105,7 @@ def main() -> None:
     table = markdown_table(rows, [("dtype", "weights", ""), ("mode", "mode", ""), ("build", "build", ""), ("tok_s", "decode tok/s", ".1f"),
                                   ("over_first", "÷ first build", ".3f"), ("sf_attention_decode", "attention ms", ".2f"), ("head", "head", ""),
                                   ("lm_head", "head ms", ".2f"), ("predict_native", "predictor ms", ".2f"), ("sparse_mlp_native", "MLP ms", ".2f")])  # fmt: skip
-    table += (f"\n\nMedians over {args.rounds} rounds ({args.new_tokens} greedy steps after a 64-token prompt, {args.threads} thread(s)); "
+    table += (f"\n\nMedians over {args.rounds} rounds ({args.new_tokens} greedy steps after a {args.prompt_tokens}-token prompt, {args.threads} thread(s)); "
               f"÷ first build: the median of the rounds' ratios. read bandwidth {bandwidth['read_gbs']:.1f} GB/s")  # fmt: skip
     command = "python " + shlex.join(sys.argv)
     js, md = write_results(args.out or f"kernel-builds-t{args.threads}", {"environment": env, "bandwidth": bandwidth, "command": command,

@@ -71,11 +71,12 @@ class Timed:
         return out
 
 
-def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens: int, head_screen: bool = True) -> dict:
+def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens: int, head_screen: bool = True, prompt_tokens: int = 64) -> dict:
     from sparseforge.runtime import kernels
     from sparseforge.runtime.engine import Engine
 
-    engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, threads=threads, progress=False, head_screen=None if head_screen else False)
+    engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, threads=threads, progress=False, head_screen=None if head_screen else False,
+                         context=max(2048, prompt_tokens + new_tokens + 8))
     totals: dict[str, float] = defaultdict(float)
     lib = engine.step.row.lib
     wrapped = {name: Timed(getattr(lib, name), name, totals) for name in ("sf_attention_decode", "sf_rms_norm")}
@@ -89,7 +90,7 @@ def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens
     lean = engine.step.row.lean  # one native call per step (sf_decode_layers), which times its parts itself
     try:
         cache = engine.new_cache(1)
-        engine.forward(torch.randint(0, engine.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0)), cache)
+        engine.forward(torch.randint(0, engine.config.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0)), cache)
         token, steps = 1, []
         totals.clear()
         before = list(lean.seconds) if lean else None
@@ -117,6 +118,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="kernel threads")
     p.add_argument("--reps", type=int, default=30, help="timed matvec calls per dtype")
     p.add_argument("--new-tokens", type=int, default=64, help="decode steps per engine")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="random prompt tokens before the decode steps (the KV cache they fill)")
     p.add_argument("--modes", nargs="+", default=["dense", "oracle", "sparse"], help="engine modes for the breakdown")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="weight dtypes")
     p.add_argument("--full-head", action="store_true", help="greedy steps read the whole lm_head (no int8 screen)")
@@ -130,7 +132,7 @@ def main() -> None:
         p.error(f"--ckpt {args.ckpt} has no predictors.json, which --modes sparse needs; train them (sparseforge predictors train) or leave sparse out")
     env, bandwidth = setup(args.threads)
     stream = [stream_matvec(DTYPES[d], args.threads, args.reps) for d in args.dtypes]
-    breakdown = [decode_breakdown(Path(args.ckpt), m, d, args.threads, args.new_tokens, not args.full_head) for d in args.dtypes for m in args.modes]
+    breakdown = [decode_breakdown(Path(args.ckpt), m, d, args.threads, args.new_tokens, not args.full_head, args.prompt_tokens) for d in args.dtypes for m in args.modes]
     t1 = markdown_table(stream, [("dtype", "weights", ""), ("ms", "ms / call", ".2f"), ("gb_s", "GB/s read", ".1f"), ("gmac_s", "GMAC/s", ".1f"),
                                  ("torch_ms", "PyTorch linear ms / call", ".2f"), ("torch_gb_s", "PyTorch GB/s read", ".1f")])  # fmt: skip
     t2 = markdown_table(breakdown, [("dtype", "weights", ""), ("mode", "mode", ""), ("tok_s", "decode tok/s", ".1f"),
@@ -138,7 +140,7 @@ def main() -> None:
                                     ("predict_native", "predictor ms", ".2f"), ("sparse_mlp_native", "MLP ms", ".2f"),
                                     ("other", "other ms", ".2f")])  # fmt: skip
     table = (f"Streaming `sf_matvec` (float32: and PyTorch's linear, alternating), [49152, 576], 6 matrices round robin, median of {args.reps} calls:\n\n{t1}\n\n"
-             f"Decode, ms per token ({args.new_tokens} greedy steps after a 64-token prompt):\n\n{t2}\n\n"
+             f"Decode, ms per token ({args.new_tokens} greedy steps after a {args.prompt_tokens}-token prompt):\n\n{t2}\n\n"
              f"read bandwidth {bandwidth['read_gbs']:.1f} GB/s ({args.threads} threads)")  # fmt: skip
     command = "python " + " ".join(sys.argv)
     js, md = write_results(args.out or f"kernels-t{args.threads}", {"environment": env, "bandwidth": bandwidth, "command": command, "stream": stream, "decode": breakdown}, table)

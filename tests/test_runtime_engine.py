@@ -92,6 +92,26 @@ def test_decode_attention_of_any_head_size_matches_hf(tmp_path, one_thread, head
         torch.testing.assert_close(_engine_logits(engine, ids[:1], 2), ref[:1], atol=2e-5, rtol=1e-4)  # batch 1: the row decoder
 
 
+@pytest.mark.skipif(kernels.native() is None, reason="no C compiler: the native kernels did not build")
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_decode_attention_split_among_threads_matches_hf(tmp_path, family):
+    """From 128 cached positions on, two threads each take one run of a kv head's positions for all of its query
+    heads and the runs are merged (sf_attention_decode); up to 150 positions (and past mistral's window of 130) the
+    logits are HF's."""
+    extra = {"sliding_window": 130, "max_position_embeddings": 256} if family == "mistral" else {}
+    model = convert_model(tiny_model(family, hidden_size=96, **extra), "drelu")  # head size 24, 2 kv heads of 2 query heads
+    ckpt = _save(model, tmp_path / family)
+    ids = _ids(n=1, t=150, seed=4)
+    with torch.no_grad():
+        ref = model(ids).logits
+    before = torch.get_num_threads()
+    try:
+        engine = Engine.load(ckpt, mode="dense", context=160, threads=2, progress=False, native=True)
+        torch.testing.assert_close(_engine_logits(engine, ids, 100), ref, atol=2e-5, rtol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
 def test_sparse_matches_the_predicted_mask_row_by_row(ckpts, family):
     """Prefill (union of rows' neurons, each row masked) and one-token decode both equal the HF model

@@ -1028,12 +1028,13 @@ static SF_INLINE float softmax_exps(float *sc, int64_t n, float mx) {
     return sum;
 }
 
-/* o[0:hd] = softmax(scale * (q . k_s)) weighted sum of v_s over n cached positions (k, v: [n, hd] rows); sc: n
- * floats of scratch. Four positions at a time where AVX2 is built and hd is a multiple of 8: four independent dot
- * chains with one horizontal reduction for the four, and o loaded and stored once per four values (one position at
- * a time, each dot's reduction and o's loads and stores cost more than its multiply-adds). The weights are the
- * unnormalized exponentials; o is divided by their sum once at the end. */
-static SF_INLINE void attend_head(const float *q, const float *k, const float *v, int64_t n, int64_t hd, float scale, float *sc, float *o) {
+/* One query head over a run of n cached positions (k, v: [n, hd] rows): sc[0:n] = scale * (q . k_s), *mx their
+ * largest, *sum the sum of e^(sc_s - mx), and o[0:hd] = the sum of e^(sc_s - mx) v_s (not yet divided by *sum).
+ * Four positions at a time where AVX2 is built and hd is a multiple of 8: four independent dot chains with one
+ * horizontal reduction for the four, and o loaded and stored once per four values (one position at a time, each
+ * dot's reduction and o's loads and stores cost more than its multiply-adds). */
+static SF_INLINE void attend_run(const float *q, const float *k, const float *v, int64_t n, int64_t hd, float scale, float *sc, float *o,
+                                 float *mx_out, float *sum_out) {
     int64_t s = 0;
 #if SF_AVX2
     if (hd % 8 == 0)
@@ -1054,7 +1055,7 @@ static SF_INLINE void attend_head(const float *q, const float *k, const float *v
     for (; s < n; s++) sc[s] = dot(k + s * hd, q, hd, SF_F32) * scale;
     float mx = -INFINITY;
     for (s = 0; s < n; s++) mx = sc[s] > mx ? sc[s] : mx;
-    const float inv = 1.0f / softmax_exps(sc, n, mx);
+    *mx_out = mx, *sum_out = softmax_exps(sc, n, mx);
     memset(o, 0, sizeof(float) * hd);
     s = 0;
 #if SF_AVX2
@@ -1071,7 +1072,52 @@ static SF_INLINE void attend_head(const float *q, const float *k, const float *v
         }
 #endif
     for (; s < n; s++) axpy(sc[s], v + s * hd, o, hd, SF_F32);
-    for (int64_t j = 0; j < hd; j++) o[j] *= inv;
+}
+
+#ifndef SF_ATTN_RUN
+#define SF_ATTN_RUN 64 /* fewest cached positions per run when a kv head's positions are split among threads (0: never) */
+#endif
+
+/* att[h] = softmax over positions [first, first + n) of query head h (q: [nh, hd]) against its kv head's cache rows
+ * (GQA: nh / kvh query heads share one; k, v: [kvh, context, hd]); scores: nh * n floats of scratch. Long runs are
+ * split: each of the team's threads takes one run of one kv head for all of that head's query heads, so each cached
+ * row is read from memory once and the threads share the work evenly (whole query heads per thread read a shared kv
+ * head twice and split 9 heads 5:4), then each head's runs are merged by their largest scores. part: nh * nthreads *
+ * (hd + 2) floats of scratch for the runs' partial outputs. */
+static void attend_heads(const float *q, const float *k_cache, const float *v_cache, int64_t context, int64_t first, int64_t n,
+                         int64_t nh, int64_t kvh, int64_t hd, float *scores, float *part, float *att, int nthreads) {
+    const int64_t group = nh / kvh;
+    const float scale = 1.0f / sqrtf((float)hd);
+    int64_t runs = SF_ATTN_RUN > 0 ? n / SF_ATTN_RUN : 1, team = threads_for(nthreads, n * nh);
+    runs = runs > team ? team : runs < 1 ? 1 : runs;
+    /* part, per head and run: the run's o, its largest score, its sum of exponentials */
+    const int64_t items = runs > 1 ? kvh * runs : nh;  /* a run of a kv head for its query heads, or one query head */
+#pragma omp parallel for schedule(static) num_threads(team)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t g = runs > 1 ? item / runs : item / group, r = runs > 1 ? item % runs : 0, s0 = n * r / runs, s1 = n * (r + 1) / runs;
+        const int64_t h0 = runs > 1 ? g * group : item, h1 = runs > 1 ? h0 + group : item + 1;
+        const float *kh = k_cache + (g * context + first + s0) * hd, *vh = v_cache + (g * context + first + s0) * hd;
+        for (int64_t h = h0; h < h1; h++) {
+            float mx, sum, *o = runs > 1 ? part + (h * runs + r) * (hd + 2) : att + h * hd;
+            attend_run(q + h * hd, kh, vh, s1 - s0, hd, scale, scores + h * n + s0, o, &mx, &sum);
+            if (runs > 1) o[hd] = mx, o[hd + 1] = sum;
+            else for (int64_t j = 0; j < hd; j++) o[j] /= sum;
+        }
+    }
+    if (runs > 1) {
+        for (int64_t h = 0; h < nh; h++) {
+            const float *ph = part + h * runs * (hd + 2);
+            float mx = -INFINITY, sum = 0.0f, *o = att + h * hd;
+            for (int64_t r = 0; r < runs; r++) mx = ph[r * (hd + 2) + hd] > mx ? ph[r * (hd + 2) + hd] : mx;
+            memset(o, 0, sizeof(float) * hd);
+            for (int64_t r = 0; r < runs; r++) {
+                const float *pr = ph + r * (hd + 2), w = exp_neg1(pr[hd] - mx);
+                sum += w * pr[hd + 1];
+                for (int64_t j = 0; j < hd; j++) o[j] += w * pr[j];
+            }
+            for (int64_t j = 0; j < hd; j++) o[j] /= sum;
+        }
+    }
 }
 
 static void rms_norm(const float *x, const float *w, float eps, int64_t n, float *out) {
@@ -1095,7 +1141,7 @@ static void rope(float *v, const float *cos, const float *sin, int64_t hd) {
  *   k, v -> cache[:, pos]; attention of each query head over positions [max(0, pos + 1 - window), pos] of
  *   its kv head (GQA); x += o_w attn + o_b; out = rms_norm(x) * post_norm (the MLP's input).
  * k_cache, v_cache: [kv_heads, context, hd] of this layer and row. scratch: float [H + (nh + 2 kvh) hd +
- * nh hd + nh (pos + 1)]. window 0 = none. */
+ * nh hd + nh (pos + 1) + nh nthreads (hd + 2)]. window 0 = none. */
 void sf_attention_decode(float *x, float *out, const float *in_norm, const float *post_norm, float eps, int64_t hidden,
                          const void *qkv_w, const float *qkv_s, const float *qkv_b, const void *o_w, const float *o_s,
                          const float *o_b, int dtype, const float *q_norm, const float *k_norm, const float *cos,
@@ -1115,13 +1161,8 @@ void sf_attention_decode(float *x, float *out, const float *in_norm, const float
         memcpy(k_cache + (h * context + pos) * hd, k + h * hd, sizeof(float) * hd);
         memcpy(v_cache + (h * context + pos) * hd, v + h * hd, sizeof(float) * hd);
     }
-    int64_t first = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0, n = pos + 1 - first, group = nh / kvh;
-    float scale = 1.0f / sqrtf((float)hd);
-#pragma omp parallel for schedule(static) num_threads(threads_for(nthreads, n * nh))
-    for (int64_t h = 0; h < nh; h++) {
-        const float *qh = q + h * hd, *kh = k_cache + ((h / group) * context + first) * hd, *vh = v_cache + ((h / group) * context + first) * hd;
-        attend_head(qh, kh, vh, n, hd, scale, scores + h * n, att + h * hd);
-    }
+    const int64_t first = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0, n = pos + 1 - first;
+    attend_heads(q, k_cache, v_cache, context, first, n, nh, kvh, hd, scores, scores + nh * n, att, nthreads);
     sf_matvec(o_w, o_s, o_b, dtype, hidden, nh * hd, att, 1, xn, nthreads);
     for (int64_t i = 0; i < hidden; i++) x[i] += xn[i];
     rms_norm(x, post_norm, eps, hidden, out);
