@@ -4,7 +4,8 @@
  * accumulates in float32, and parallelises over rows/neurons with OpenMP (per-thread accumulators,
  * no atomics). Rows stored one after another (dense matrices, the screens' tables) are read one whole row after
  * another, a single stream the hardware prefetcher follows; rows gathered from a list (the sparse MLP's neurons)
- * are read four side by side while the next four are prefetched, since no stream exists there to follow. Each
+ * are read four side by side while the rows SF_MLP_AHEAD entries ahead are prefetched, since no stream exists
+ * there to follow. Each
  * choice measured faster than the other on its own kind of rows. Weights are float32, bfloat16, float16 or int8 with one float32 scale per row (a unit's int8
  * down columns also with one scale per output channel, applied once to sf_sparse_mlp's sum);
  * activations are float32, except that a dot product with int8 rows quantizes its input vector first
@@ -27,7 +28,8 @@
  *                  engine's CPU part: its units' neurons have fixed slots)
  *   sf_gated_act   the dense mode's activation of one row (gate and up from one stacked matvec)
  *   sf_attention_decode  a whole attention block for one row at one position (norms, qkv, RoPE, KV-cache
- *                  write, GQA attention, o projection, residual).
+ *                  write, GQA attention, o projection, residual); a long cache split among the threads by runs
+ *                  of positions, merged per head.
  *   sf_decode_layers  every layer of one decode step (attention block, then predictor + sparse MLP, or the
  *                  dense MLP) and the final norm in one call, from per-layer argument structs prepared at load.
  *
