@@ -34,8 +34,7 @@ class NativeRow:
         self.xn = torch.empty(self.hidden)  # [H] normed row (MLP input, then final norm: the head's input)
         self.x2, self.xn2 = self.x[None], self.xn[None]  # [1, H] views, as the MLP takes rows
         qkv_rows = (s.heads + 2 * s.kv_heads) * s.head_dim
-        runs = s.heads * max(1, model.threads) * (s.head_dim + 2)  # sf_attention_decode's partial outputs of split runs
-        self.scratch = torch.empty(self.hidden + qkv_rows + s.heads * s.head_dim + s.heads * model.context + runs)
+        self.scratch = torch.empty(self.hidden + qkv_rows + s.heads * s.head_dim + s.heads * model.context)
         self.dims = (s.heads, s.kv_heads, s.head_dim)
         ptr = kernels.ptr
         self.layer_args = [

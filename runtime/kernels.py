@@ -91,8 +91,8 @@ def _compile(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     flags = build_flags()
     with atomic_path(out) as tmp:
-        for flags in (flags, tuple(f for f in flags if f != "-fopenmp")):  # OpenMP is optional
-            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True)
+        for tried in (flags, tuple(f for f in flags if f != "-fopenmp")):  # OpenMP is optional
+            done = subprocess.run([compiler, *tried, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True)
             if done.returncode == 0:
                 return
         raise OSError(f"{compiler} failed: {done.stderr.strip()[:500]}")

@@ -94,10 +94,9 @@ def test_decode_attention_of_any_head_size_matches_hf(tmp_path, one_thread, head
 
 @pytest.mark.skipif(kernels.native() is None, reason="no C compiler: the native kernels did not build")
 @pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_decode_attention_split_among_threads_matches_hf(tmp_path, family):
-    """From 128 cached positions on, two threads each take one run of a kv head's positions for all of its query
-    heads and the runs are merged (sf_attention_decode); up to 150 positions (and past mistral's window of 130) the
-    logits are HF's."""
+def test_decode_attention_over_a_long_cache_with_two_threads_matches_hf(tmp_path, family):
+    """The native attention with two threads over up to 150 cached positions (past mistral's window of 130): HF's
+    logits."""
     extra = {"sliding_window": 130, "max_position_embeddings": 256} if family == "mistral" else {}
     model = convert_model(tiny_model(family, hidden_size=96, **extra), "drelu")  # head size 24, 2 kv heads of 2 query heads
     ckpt = _save(model, tmp_path / family)

@@ -28,8 +28,7 @@
  *                  engine's CPU part: its units' neurons have fixed slots)
  *   sf_gated_act   the dense mode's activation of one row (gate and up from one stacked matvec)
  *   sf_attention_decode  a whole attention block for one row at one position (norms, qkv, RoPE, KV-cache
- *                  write, GQA attention, o projection, residual); a long cache split among the threads by runs
- *                  of positions, merged per head.
+ *                  write, GQA attention, o projection, residual).
  *   sf_decode_layers  every layer of one decode step (attention block, then predictor + sparse MLP, or the
  *                  dense MLP) and the final norm in one call, from per-layer argument structs prepared at load.
  *
@@ -977,39 +976,21 @@ int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const 
     return m;
 }
 
-/* e^x for the softmax's shifted scores (x <= 0): Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6
- * polynomial in r, times 2^n), within 1 ulp of expf on [-87.33, 0], 0 below it (where e^x leaves the normal
- * floats); eight at a time where AVX2 is built, where the library's expf takes a call per score. */
-#define EXP_LO -87.33654f
-#define EXP_POLY(P, R, MUL, ADD)                                              \
-    P = ADD(MUL(P, R), 1.3981999507e-3f), P = ADD(MUL(P, R), 8.3334519073e-3f), \
-    P = ADD(MUL(P, R), 4.1665795894e-2f), P = ADD(MUL(P, R), 1.6666665459e-1f), \
-    P = ADD(MUL(P, R), 5.0000001201e-1f)
-static SF_INLINE float fmul1(float a, float b) { return a * b; }
-static SF_INLINE float fadd1(float a, float b) { return a + b; }
-static SF_INLINE float exp_neg1(float x) {
-    if (x != x) return x;  /* NaN stays NaN */
-    if (x < EXP_LO) return 0.0f;
-    float n = nearbyintf(x * 1.44269504088896341f), r = x - n * 0.693359375f, p = 1.9875691500e-4f;
-    r = r - n * -2.12194440e-4f;
-    EXP_POLY(p, r, fmul1, fadd1);
-    p = p * (r * r) + (r + 1.0f);
-    union { int32_t i; float f; } e = {.i = ((int32_t)n + 127) << 23};
-    return p * e.f;
-}
 #if SF_AVX2
-#define MUL8(a, b) _mm256_mul_ps(a, b)
-#define ADD8(a, c) _mm256_add_ps(a, _mm256_set1_ps(c))
+/* e^x for eight of the softmax's shifted scores (x <= 0): Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+ * polynomial in r, times 2^n), within 1 ulp of expf on [-87.33, 0], 0 below it (where e^x leaves the normal floats);
+ * NaN stays NaN. The library's expf takes a call per score. */
 static SF_INLINE __m256 exp_neg8(__m256 x) {
-    const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_LT_OQ), nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))), p = _mm256_set1_ps(1.9875691500e-4f);
-    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-    EXP_POLY(p, r, MUL8, ADD8);
-    p = _mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_or_ps(nan, _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e))));  /* NaN stays NaN */
+    const __m256 lo = _mm256_set1_ps(-87.33654f), under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    static const float c[5] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+    for (int i = 0; i < 5; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c[i]));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_or_ps(nan, _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e))));
 }
 #endif
 
@@ -1026,17 +1007,16 @@ static SF_INLINE float softmax_exps(float *sc, int64_t n, float mx) {
     }
     sum = hsum256(acc);
 #endif
-    for (; s < n; s++) sum += (sc[s] = exp_neg1(sc[s] - mx));
+    for (; s < n; s++) sum += (sc[s] = expf(sc[s] - mx));
     return sum;
 }
 
-/* One query head over a run of n cached positions (k, v: [n, hd] rows): sc[0:n] = scale * (q . k_s), *mx their
- * largest, *sum the sum of e^(sc_s - mx), and o[0:hd] = the sum of e^(sc_s - mx) v_s (not yet divided by *sum).
- * Four positions at a time where AVX2 is built and hd is a multiple of 8: four independent dot chains with one
+/* One query head over n cached positions (k, v: [n, hd] rows): o[0:hd] = softmax(scale * (q . k_s)) weighted sum
+ * of v_s; sc: n floats of scratch. Four positions at a time where AVX2 is built and hd is a multiple of 8: four independent dot chains with one
  * horizontal reduction for the four, and o loaded and stored once per four values (one position at a time, each
- * dot's reduction and o's loads and stores cost more than its multiply-adds). */
-static SF_INLINE void attend_run(const float *q, const float *k, const float *v, int64_t n, int64_t hd, float scale, float *sc, float *o,
-                                 float *mx_out, float *sum_out) {
+ * dot's reduction and o's loads and stores cost more than its multiply-adds); o is divided by the exponentials'
+ * sum once at the end. */
+static SF_INLINE void attend_head(const float *q, const float *k, const float *v, int64_t n, int64_t hd, float scale, float *sc, float *o) {
     int64_t s = 0;
 #if SF_AVX2
     if (hd % 8 == 0)
@@ -1057,7 +1037,7 @@ static SF_INLINE void attend_run(const float *q, const float *k, const float *v,
     for (; s < n; s++) sc[s] = dot(k + s * hd, q, hd, SF_F32) * scale;
     float mx = -INFINITY;
     for (s = 0; s < n; s++) mx = sc[s] > mx ? sc[s] : mx;
-    *mx_out = mx, *sum_out = softmax_exps(sc, n, mx);
+    const float inv = 1.0f / softmax_exps(sc, n, mx);
     memset(o, 0, sizeof(float) * hd);
     s = 0;
 #if SF_AVX2
@@ -1074,52 +1054,7 @@ static SF_INLINE void attend_run(const float *q, const float *k, const float *v,
         }
 #endif
     for (; s < n; s++) axpy(sc[s], v + s * hd, o, hd, SF_F32);
-}
-
-#ifndef SF_ATTN_RUN
-#define SF_ATTN_RUN 64 /* fewest cached positions per run when a kv head's positions are split among threads (0: never) */
-#endif
-
-/* att[h] = softmax over positions [first, first + n) of query head h (q: [nh, hd]) against its kv head's cache rows
- * (GQA: nh / kvh query heads share one; k, v: [kvh, context, hd]); scores: nh * n floats of scratch. Long runs are
- * split: each of the team's threads takes one run of one kv head for all of that head's query heads, so each cached
- * row is read from memory once and the threads share the work evenly (whole query heads per thread read a shared kv
- * head twice and split 9 heads 5:4), then each head's runs are merged by their largest scores. part: nh * nthreads *
- * (hd + 2) floats of scratch for the runs' partial outputs. */
-static void attend_heads(const float *q, const float *k_cache, const float *v_cache, int64_t context, int64_t first, int64_t n,
-                         int64_t nh, int64_t kvh, int64_t hd, float *scores, float *part, float *att, int nthreads) {
-    const int64_t group = nh / kvh;
-    const float scale = 1.0f / sqrtf((float)hd);
-    int64_t runs = SF_ATTN_RUN > 0 ? n / SF_ATTN_RUN : 1, team = threads_for(nthreads, n * nh);
-    runs = runs > team ? team : runs < 1 ? 1 : runs;
-    /* part, per head and run: the run's o, its largest score, its sum of exponentials */
-    const int64_t items = runs > 1 ? kvh * runs : nh;  /* a run of a kv head for its query heads, or one query head */
-#pragma omp parallel for schedule(static) num_threads(team)
-    for (int64_t item = 0; item < items; item++) {
-        const int64_t g = runs > 1 ? item / runs : item / group, r = runs > 1 ? item % runs : 0, s0 = n * r / runs, s1 = n * (r + 1) / runs;
-        const int64_t h0 = runs > 1 ? g * group : item, h1 = runs > 1 ? h0 + group : item + 1;
-        const float *kh = k_cache + (g * context + first + s0) * hd, *vh = v_cache + (g * context + first + s0) * hd;
-        for (int64_t h = h0; h < h1; h++) {
-            float mx, sum, *o = runs > 1 ? part + (h * runs + r) * (hd + 2) : att + h * hd;
-            attend_run(q + h * hd, kh, vh, s1 - s0, hd, scale, scores + h * n + s0, o, &mx, &sum);
-            if (runs > 1) o[hd] = mx, o[hd + 1] = sum;
-            else for (int64_t j = 0; j < hd; j++) o[j] /= sum;
-        }
-    }
-    if (runs > 1) {
-        for (int64_t h = 0; h < nh; h++) {
-            const float *ph = part + h * runs * (hd + 2);
-            float mx = -INFINITY, sum = 0.0f, *o = att + h * hd;
-            for (int64_t r = 0; r < runs; r++) mx = ph[r * (hd + 2) + hd] > mx ? ph[r * (hd + 2) + hd] : mx;
-            memset(o, 0, sizeof(float) * hd);
-            for (int64_t r = 0; r < runs; r++) {
-                const float *pr = ph + r * (hd + 2), w = exp_neg1(pr[hd] - mx);
-                sum += w * pr[hd + 1];
-                for (int64_t j = 0; j < hd; j++) o[j] += w * pr[j];
-            }
-            for (int64_t j = 0; j < hd; j++) o[j] /= sum;
-        }
-    }
+    for (int64_t j = 0; j < hd; j++) o[j] *= inv;
 }
 
 static void rms_norm(const float *x, const float *w, float eps, int64_t n, float *out) {
@@ -1143,7 +1078,7 @@ static void rope(float *v, const float *cos, const float *sin, int64_t hd) {
  *   k, v -> cache[:, pos]; attention of each query head over positions [max(0, pos + 1 - window), pos] of
  *   its kv head (GQA); x += o_w attn + o_b; out = rms_norm(x) * post_norm (the MLP's input).
  * k_cache, v_cache: [kv_heads, context, hd] of this layer and row. scratch: float [H + (nh + 2 kvh) hd +
- * nh hd + nh (pos + 1) + nh nthreads (hd + 2)]. window 0 = none. */
+ * nh hd + nh (pos + 1)]. window 0 = none. */
 void sf_attention_decode(float *x, float *out, const float *in_norm, const float *post_norm, float eps, int64_t hidden,
                          const void *qkv_w, const float *qkv_s, const float *qkv_b, const void *o_w, const float *o_s,
                          const float *o_b, int dtype, const float *q_norm, const float *k_norm, const float *cos,
@@ -1163,8 +1098,13 @@ void sf_attention_decode(float *x, float *out, const float *in_norm, const float
         memcpy(k_cache + (h * context + pos) * hd, k + h * hd, sizeof(float) * hd);
         memcpy(v_cache + (h * context + pos) * hd, v + h * hd, sizeof(float) * hd);
     }
-    const int64_t first = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0, n = pos + 1 - first;
-    attend_heads(q, k_cache, v_cache, context, first, n, nh, kvh, hd, scores, scores + nh * n, att, nthreads);
+    const int64_t first = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0, n = pos + 1 - first, group = nh / kvh;
+    const float scale = 1.0f / sqrtf((float)hd);
+#pragma omp parallel for schedule(static) num_threads(threads_for(nthreads, n * nh))
+    for (int64_t h = 0; h < nh; h++) {
+        const int64_t kv = ((h / group) * context + first) * hd;
+        attend_head(q + h * hd, k_cache + kv, v_cache + kv, n, hd, scale, scores + h * n, att + h * hd);
+    }
     sf_matvec(o_w, o_s, o_b, dtype, hidden, nh * hd, att, 1, xn, nthreads);
     for (int64_t i = 0; i < hidden; i++) x[i] += xn[i];
     rms_norm(x, post_norm, eps, hidden, out);
