@@ -64,11 +64,11 @@ def kv_bytes(ckpt: Path, position: int, elem: int) -> int:
 
 
 class Sparseforge:
-    def __init__(self, ckpt, mode, dtype, context, threads, predictor_dtype=None, head_screen=True, sampling=None):
+    def __init__(self, ckpt, mode, dtype, context, threads, predictor_dtype=None, head_screen=True, sampling=None, kv_dtype="float32"):
         from sparseforge.runtime.engine import Engine
 
         self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, progress=False,
-                                  predictor_dtype=predictor_dtype, head_screen=None if head_screen else False)  # fmt: skip
+                                  predictor_dtype=predictor_dtype, head_screen=None if head_screen else False, kv_dtype=kv_dtype)  # fmt: skip
         self.name = {"oracle": "sparseforge oracle (exact masks)", "screen": "sparseforge screen (exact masks, int8 screen)"}.get(mode, f"sparseforge {mode}")
         self.mode, self.full_head = mode, not head_screen and self.engine.model.weights.lm_head.weight.dtype != torch.int8
         if self.full_head:
@@ -234,20 +234,22 @@ def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list
     position = args.prompt_tokens + args.new_tokens // 2
     context = args.prompt_tokens + args.new_tokens + 8
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=0) if args.temperature > 0 else None
+    kv = dict(kv_dtype=args.kv_dtype)
     out = []
     for prec in args.precisions:
         dtype, hf_dtype, gguf_types = PRECISIONS[prec]
         for mode in [m for m in args.modes if dtype != "int8" or m != "screen"]:  # int8: no screen
-            out.append((prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, args.head != "full", sampling)))
+            out.append((prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, args.head != "full",
+                                          sampling, **kv)))
         if args.reference:  # the original's shape read densely, in the same alternation
-            out.append((prec, ref := Sparseforge(Path(args.reference), "dense", dtype, context, args.threads, None, args.head != "full", sampling)))
+            out.append((prec, ref := Sparseforge(Path(args.reference), "dense", dtype, context, args.threads, None, args.head != "full", sampling, **kv)))
             ref.name, ref.mode = f"sparseforge dense, {_label(Path(args.reference))} (reference)", "reference"
         for path, mode in also_engines(args.also):  # another checkpoint's engines, in the same alternation
             if dtype != "int8" or mode != "screen":
-                out.append((prec, other := Sparseforge(path, mode, dtype, context, args.threads, None, args.head != "full", sampling)))
+                out.append((prec, other := Sparseforge(path, mode, dtype, context, args.threads, None, args.head != "full", sampling, **kv)))
                 other.name, other.mode = f"{other.name}, {_label(path)} (also)", "also"
         if args.head == "both" and dtype != "int8":  # int8 heads have no screen
-            out += [(prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, False, sampling))
+            out += [(prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, False, sampling, **kv))
                     for mode in ("sparse", "dense") if mode in args.modes]  # fmt: skip
         if hf_dtype is not None and not args.no_hf:
             elem = 4 if hf_dtype == torch.float32 else 2
@@ -257,6 +259,7 @@ def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list
         out += [(prec, PowerInfer(Path(args.powerinfer), path, label, text, context, args.threads)) for label, path in ggufs if POWERINFER_TYPES[label][0] == prec]
     if args.predictor_dtype:
         notes.append(f"sparseforge sparse: {args.predictor_dtype} predictors (--predictor-dtype)")
+    notes.append(f"sparseforge rows: {args.kv_dtype} KV cache (--kv-dtype); llama.cpp's: float16")
     if sampling:
         notes.append(f"sparseforge and HF rows sample (temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, seed 0); "
                      "llama.cpp and PowerInfer rows decode greedily")  # fmt: skip
@@ -294,6 +297,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3, help="repetitions (engines alternate inside each)")
     p.add_argument("--predictor-dtype", choices=list(WEIGHT_DTYPES), default=None,
                    help="dtype of the sparse rows' predictors (default: each row's weight dtype)")
+    p.add_argument("--kv-dtype", choices=("float32", "float16"), default="float32", help="the sparseforge engines' KV cache dtype")
     p.add_argument("--head", choices=("screen", "full", "both"), default="screen",
                    help="sparseforge's decode steps: through the lm_head's int8 screen (same tokens, runtime/head.py), reading the "
                    "whole head, or both (extra sparse and dense rows marked '(full head)')")  # fmt: skip

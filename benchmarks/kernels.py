@@ -71,12 +71,13 @@ class Timed:
         return out
 
 
-def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens: int, head_screen: bool = True, prompt_tokens: int = 64) -> dict:
+def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens: int, head_screen: bool = True, prompt_tokens: int = 64,
+                     kv_dtype: str = "float32") -> dict:
     from sparseforge.runtime import kernels
     from sparseforge.runtime.engine import Engine
 
     engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, threads=threads, progress=False, head_screen=None if head_screen else False,
-                         context=max(2048, prompt_tokens + new_tokens + 8))
+                         context=max(2048, prompt_tokens + new_tokens + 8), kv_dtype=kv_dtype)
     totals: dict[str, float] = defaultdict(float)
     lib = engine.step.row.lib
     wrapped = {name: Timed(getattr(lib, name), name, totals) for name in ("sf_attention_decode", "sf_rms_norm")}
@@ -104,7 +105,7 @@ def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens
     finally:
         for name, fn in saved.items():
             setattr(kernels, name, fn)
-    row = {"mode": mode, "dtype": dtype, "head": "screen" if engine.head.screen is not None else "full", "tok_s": 1 / median(steps),
+    row = {"mode": mode, "dtype": dtype, "kv_dtype": kv_dtype, "head": "screen" if engine.head.screen is not None else "full", "tok_s": 1 / median(steps),
            "ms_token": 1000 * sum(steps) / new_tokens}  # fmt: skip
     for name in ("sf_attention_decode", "lm_head", "predict_native", "sparse_mlp_native"):
         row[name] = 1000 * totals.get(name, 0.0) / new_tokens
@@ -122,6 +123,7 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["dense", "oracle", "sparse"], help="engine modes for the breakdown")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="weight dtypes")
     p.add_argument("--full-head", action="store_true", help="greedy steps read the whole lm_head (no int8 screen)")
+    p.add_argument("--kv-dtypes", nargs="+", default=["float32"], choices=("float32", "float16"), help="KV cache dtypes of the breakdown's engines")
     p.add_argument("--out", default=None, help=f"{OUT_HELP} (default kernels-t<threads>)")
     args = p.parse_args()
     from sparseforge.runtime import kernels
@@ -132,10 +134,12 @@ def main() -> None:
         p.error(f"--ckpt {args.ckpt} has no predictors.json, which --modes sparse needs; train them (sparseforge predictors train) or leave sparse out")
     env, bandwidth = setup(args.threads)
     stream = [stream_matvec(DTYPES[d], args.threads, args.reps) for d in args.dtypes]
-    breakdown = [decode_breakdown(Path(args.ckpt), m, d, args.threads, args.new_tokens, not args.full_head, args.prompt_tokens) for d in args.dtypes for m in args.modes]
+    breakdown = [decode_breakdown(Path(args.ckpt), m, d, args.threads, args.new_tokens, not args.full_head, args.prompt_tokens, kv)
+                 for d in args.dtypes for m in args.modes for kv in args.kv_dtypes]  # fmt: skip
     t1 = markdown_table(stream, [("dtype", "weights", ""), ("ms", "ms / call", ".2f"), ("gb_s", "GB/s read", ".1f"), ("gmac_s", "GMAC/s", ".1f"),
                                  ("torch_ms", "PyTorch linear ms / call", ".2f"), ("torch_gb_s", "PyTorch GB/s read", ".1f")])  # fmt: skip
-    t2 = markdown_table(breakdown, [("dtype", "weights", ""), ("mode", "mode", ""), ("tok_s", "decode tok/s", ".1f"),
+    t2 = markdown_table(breakdown, [("dtype", "weights", ""), ("mode", "mode", ""), *([("kv_dtype", "KV cache", "")] if len(args.kv_dtypes) > 1 else []),
+                                    ("tok_s", "decode tok/s", ".1f"),
                                     ("sf_attention_decode", "attention ms", ".2f"), ("head", "head", ""), ("lm_head", "head ms", ".2f"),
                                     ("predict_native", "predictor ms", ".2f"), ("sparse_mlp_native", "MLP ms", ".2f"),
                                     ("other", "other ms", ".2f")])  # fmt: skip

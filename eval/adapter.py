@@ -39,21 +39,23 @@ Request = tuple[tuple[str, str] | None, list[int], list[int]]  # (strings, conte
 
 
 def load_engine(pretrained: str, mode: str, backend: str, weight_dtype: str, context: int, threads: int | None, progress: bool,
-                predictor_dtype: str | None = None):
+                predictor_dtype: str | None = None, kv_dtype: str = "float32"):
     """An engine for `pretrained` in `mode`: the sparse runtime ("runtime") or transformers ("hf", which runs
-    the stored float32 predictors: predictor_dtype must be None)."""
+    the stored float32 predictors and keeps its own cache: predictor_dtype must be None, kv_dtype float32)."""
     if backend == "runtime":
         try:
             from sparseforge.runtime.engine import Engine
         except ImportError as e:
             raise SparseforgeError(f"the sparse runtime engine is not available ({e}); pass backend=hf to score through transformers") from None
         return Engine.load(pretrained, mode=mode, weight_dtype=weight_dtype, context=context, threads=threads, progress=progress,
-                           predictor_dtype=predictor_dtype)
+                           predictor_dtype=predictor_dtype, kv_dtype=kv_dtype)
     if backend == "hf":
         from sparseforge.eval.hf_engine import HFEngine
 
         if predictor_dtype:
             raise SparseforgeError(f"predictor_dtype={predictor_dtype} needs backend=runtime (the hf backend runs the stored float32 predictors)")
+        if kv_dtype != "float32":
+            raise SparseforgeError(f"kv_dtype={kv_dtype} needs backend=runtime (the hf backend keeps transformers' own cache)")
         if threads:
             torch.set_num_threads(threads)
         return HFEngine.load(pretrained, mode=mode, weight_dtype=weight_dtype, context=context)
@@ -70,7 +72,7 @@ def _score(logits: torch.Tensor, targets: list[int]) -> tuple[float, bool]:
 @register_model("sparseforge")
 class SparseforgeLM(TemplateLM):
     """lm-eval LM over a sparseforge engine (module docstring). model_args: pretrained=CKPT, mode=sparse|oracle|dense,
-    backend=runtime|hf, weight_dtype=float32, predictor_dtype=(weight_dtype), batch_size=8, threads=N, context=2048, max_gen_toks=256,
+    backend=runtime|hf, weight_dtype=float32, predictor_dtype=(weight_dtype), kv_dtype=float32, batch_size=8, threads=N, context=2048, max_gen_toks=256,
     share_min_saved=128 (context tokens a shared context must save to be run once; 0: always)."""
 
     def __init__(
@@ -80,6 +82,7 @@ class SparseforgeLM(TemplateLM):
         backend: str = "runtime",
         weight_dtype: str = "float32",
         predictor_dtype: str | None = None,
+        kv_dtype: str = "float32",
         batch_size: int | str = 8,
         threads: int | None = None,
         context: int = 2048,
@@ -94,7 +97,7 @@ class SparseforgeLM(TemplateLM):
             if pretrained is None:
                 raise SparseforgeError("model_args need pretrained=CKPT (a sparse checkpoint directory)")
             engine = load_engine(str(pretrained), mode, backend, weight_dtype, int(context), int(threads) if threads else None, progress,
-                                 predictor_dtype or None)
+                                 predictor_dtype or None, kv_dtype)
         try:
             self._batch_size = int(batch_size)
         except ValueError:

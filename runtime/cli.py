@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from sparseforge.cli_options import HelpFormatter, check_positive
 from sparseforge.errors import SparseforgeError
+from sparseforge.runtime.sizes import KV_DTYPE_CHOICES
 
 if TYPE_CHECKING:
     from sparseforge.runtime.sampling import GenerationConfig
@@ -34,8 +35,9 @@ def register_plan(subparsers) -> None:
                    "neuron bytes resident on top of the always-touched part, 0%% to 100%% (0%%: no hot neurons; generate, "
                    "chat and serve need more than 0%% for their neuron cache)")  # fmt: skip
     p.add_argument("--context", type=int, default=2048, help="tokens of KV cache to reserve")
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="float32", help="KV cache dtype the engine will run (generate --kv-dtype)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
-                   help="weight dtype in fast memory (int8: int8 weights with float32 row scales, float32 KV cache); default: as stored")  # fmt: skip
+                   help="weight dtype in fast memory (int8: int8 weights with float32 row scales); default: as stored")  # fmt: skip
     p.add_argument("--predictor-dtype", choices=DTYPE_CHOICES, default=None,
                    help="dtype of the predictors the engine will run (generate --predictor-dtype); default: --dtype, as the engine's default")  # fmt: skip
     p.add_argument("--full-head", action="store_true",
@@ -53,7 +55,7 @@ def plan_command(args) -> int:
     from sparseforge.runtime.sizes import parse_size
 
     request = PlanRequest(parse_size(args.fast_memory), context=args.context, dtype=args.dtype, predictor_dtype=args.predictor_dtype,
-                          head_screen=not args.full_head)  # fmt: skip
+                          head_screen=not args.full_head, kv_dtype=args.kv_dtype)  # fmt: skip
     artifact_name(args.out)  # a bad --out fails before any work
     plan = make_plan(args.ckpt, request)
     if not args.quiet:
@@ -80,6 +82,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="dtype of the sparse mode's predictors (default: --weight-dtype). int8 reads a quarter of float32's "
                    "predictor bytes per token and chooses the same neurons within rounding (docs/runtime.md)")  # fmt: skip
     p.add_argument("--context", type=int, default=2048, help="tokens of KV cache: prompt + generated tokens must fit")
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="float32",
+                   help="KV cache dtype: float16 halves its memory and the bytes attention reads per token (keys and values rounded "
+                   "once as they are written, attention computed in float32; docs/runtime.md \"KV cache\")")  # fmt: skip
     p.add_argument("--fast-memory", metavar="SIZE", default=None,
                    help="keep only this much resident (as for `sparseforge plan`: 300MB, 1.5GiB, 25%%; a percentage above 0%%, "
                    "since the neuron cache needs room); hot neurons pinned, cold neurons read from disk through the neuron cache. "
@@ -199,7 +204,7 @@ def _open_engine(args):
     _check_engine_options(args)
     return open_engine(args.ckpt, mode=args.mode, weight_dtype=args.weight_dtype, context=args.context, threads=args.threads,
                        fast_memory=args.fast_memory, predictor_dtype=args.predictor_dtype, head_screen=False if args.full_head else None,
-                       progress=not args.no_progress, device=args.device, device_memory=args.device_memory)  # fmt: skip
+                       progress=not args.no_progress, device=args.device, device_memory=args.device_memory, kv_dtype=args.kv_dtype)  # fmt: skip
 
 
 def format_stats(stats: dict) -> str:

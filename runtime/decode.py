@@ -55,14 +55,15 @@ class NativeRow:
         """Take the step's position (cache.length of a batch-1 cache) for the attention calls that follow."""
         m, pos = self.model, cache.length
         self._position = (m.cos.data_ptr() + pos * self.rope_row_bytes, m.sin.data_ptr() + pos * self.rope_row_bytes,
-                          cache.k.data_ptr(), cache.v.data_ptr(), cache.k.stride(0) * 4, cache.context, pos)  # fmt: skip
+                          cache.k.data_ptr(), cache.v.data_ptr(), cache.k.stride(0) * cache.k.element_size(), kernels.dtype_code(cache.k.dtype),
+                          cache.context, pos)  # fmt: skip
 
     def attention(self, layer: int) -> None:
         """x += attention(norm(x)) at this step's position, keys and values written; xn = the MLP's norm of x."""
-        cos, sin, kbase, vbase, layer_stride, ctx, pos = self._position
+        cos, sin, kbase, vbase, layer_stride, kv_dtype, ctx, pos = self._position
         nh, kvh, hd = self.dims
         self.lib.sf_attention_decode(self.x.data_ptr(), self.xn.data_ptr(), *self.layer_args[layer], cos, sin, kbase + layer * layer_stride,
-                                     vbase + layer * layer_stride, ctx, pos, self.windows[layer], nh, kvh, hd, self.scratch.data_ptr(),
+                                     vbase + layer * layer_stride, kv_dtype, ctx, pos, self.windows[layer], nh, kvh, hd, self.scratch.data_ptr(),
                                      self.model.threads)  # fmt: skip
 
     def final_norm(self) -> None:
@@ -163,7 +164,7 @@ class LeanStep:
         rc = self.lib.sf_decode_layers(
             self.layers, len(self.layers), row.x.data_ptr(), row.xn.data_ptr(), m.weights.final_norm.data_ptr(), row.xn.data_ptr(), row.eps,
             row.hidden, m.cos.data_ptr() + pos * row.rope_row_bytes, m.sin.data_ptr() + pos * row.rope_row_bytes, cache.k.data_ptr(),
-            cache.v.data_ptr(), cache.k.stride(0), cache.context, pos, nh, kvh, hd, row.scratch.data_ptr(), meter.rows_read.data_ptr(), stats,
+            cache.v.data_ptr(), kernels.dtype_code(cache.k.dtype), cache.k.stride(0), cache.context, pos, nh, kvh, hd, row.scratch.data_ptr(), meter.rows_read.data_ptr(), stats,
             self.seconds, self.threads,
         )  # fmt: skip
         if rc:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from sparseforge.errors import SparseforgeError
-from sparseforge.runtime.forward import KVCache
+from sparseforge.runtime.forward import KV_DTYPES, KVCache
 from sparseforge.runtime.generate import generate
 from sparseforge.runtime.head import Head
 from sparseforge.runtime.meter import Meter, always_touched_bytes
@@ -40,14 +40,14 @@ class Engine:
         self.model = model
         s = model.shape
         self.meter = Meter(always_touched_bytes(model.weights, model.predictors, model.top_k),
-                           2 * len(model.weights.layers) * s.kv_heads * s.head_dim * 4)  # fmt: skip
+                           2 * len(model.weights.layers) * s.kv_heads * s.head_dim * KV_DTYPES[model.kv_dtype].itemsize)  # fmt: skip
         self.head = Head(model.weights.lm_head, model.head_screen, self.meter)
         self.step = Step(model, self.head, self.meter)
 
     @classmethod
     def load(cls, ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float32", context: int = 2048, threads: int | None = None,
              units: Callable | None = None, progress: bool = True, native: bool | None = None, predictor_dtype: str | None = None,
-             head_screen: bool | None = None, device: str | None = None, device_memory: str | None = None) -> "Engine":
+             head_screen: bool | None = None, device: str | None = None, device_memory: str | None = None, kv_dtype: str = "float32") -> "Engine":
         """Read a sparse checkpoint. units: optional factory (layer, expert, reader) -> MLPUnit (runtime/weights.py);
         default: every bundle resident. predictor_dtype: the sparse mode's predictors in another dtype than the weights
         (default: weight_dtype); int8 predictors read a quarter of the float32 bytes and choose the same neurons within
@@ -59,8 +59,11 @@ class Engine:
         placement plan, the plan reserved it; True: required (an error says why not); False: never. device,
         device_memory: the hybrid tier (runtime/hybrid.py): attention, norms, embeddings, lm_head, KV cache and the
         hottest neurons on `device` ("cuda", "cpu", ...) within `device_memory` (a size as `sparseforge plan` takes;
-        default "100%"), the other neurons on the CPU."""
-        return cls(load_model(ckpt, mode, weight_dtype, context, threads, units, progress, native, predictor_dtype, head_screen, device, device_memory))
+        default "100%"), the other neurons on the CPU. kv_dtype: the KV cache's element type, "float32" or "float16"
+        (half the cache's memory and of the bytes attention reads per token; each key and value rounded once as it is
+        written, attention computed in float32)."""
+        return cls(load_model(ckpt, mode, weight_dtype, context, threads, units, progress, native, predictor_dtype, head_screen, device, device_memory,
+                              kv_dtype))
 
     @property
     def tokenizer(self):
@@ -86,10 +89,11 @@ class Engine:
         context = self.context if context is None else context
         if not 1 <= context <= self.context:
             raise SparseforgeError(f"a cache of {context} positions is outside 1..{self.context}, the engine's context; load the engine with a larger context")
-        s = self.model.shape
+        s, m = self.model.shape, self.model
+        dtype = KV_DTYPES[m.kv_dtype]
         if batch == 1 and self.step.graphs is not None:
-            return self.step.graphs.new_cache(lambda: KVCache(self.config.num_hidden_layers, 1, s.kv_heads, self.context, s.head_dim, self.model.device))
-        return KVCache(self.config.num_hidden_layers, batch, s.kv_heads, context, s.head_dim, self.model.device)
+            return self.step.graphs.new_cache(lambda: KVCache(self.config.num_hidden_layers, 1, s.kv_heads, self.context, s.head_dim, m.device, dtype))
+        return KVCache(self.config.num_hidden_layers, batch, s.kv_heads, context, s.head_dim, m.device, dtype)
 
     def forward(self, ids: torch.Tensor, cache: KVCache, logits_from: int = 0) -> torch.Tensor:
         """ids [B, T] -> float32 logits of positions logits_from.. ([B, T - logits_from, V]; a negative value counts
@@ -113,7 +117,8 @@ class Engine:
         computed per token and of those that fired, predictor seconds, weight + KV bytes touched per decode token (from
         what the kernels read), resident weight bytes, the units' own stats, and a hybrid engine's device tier."""
         m = self.model
-        out = {"mode": m.mode, "weight_dtype": m.weight_dtype, "predictor_dtype": m.predictor_dtype, "threads": m.threads, "native_kernels": m.native,
+        out = {"mode": m.mode, "weight_dtype": m.weight_dtype, "predictor_dtype": m.predictor_dtype, "kv_dtype": m.kv_dtype, "threads": m.threads,
+               "native_kernels": m.native,
                **self.meter.counters(), "resident_weight_bytes": m.resident_bytes(), "head_screen": m.head_screen is not None}  # fmt: skip
         if m.device_tier is not None:
             out["device"] = {**m.device_tier.stats([lw.units[0] for lw in m.weights.layers]),
@@ -139,7 +144,7 @@ class Engine:
 @contextlib.contextmanager
 def open_engine(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float32", context: int = 2048, threads: int | None = None,
                 fast_memory: str | None = None, predictor_dtype: str | None = None, head_screen: bool | None = None,
-                progress: bool = True, device: str | None = None, device_memory: str | None = None) -> Iterator[Engine]:
+                progress: bool = True, device: str | None = None, device_memory: str | None = None, kv_dtype: str = "float32") -> Iterator[Engine]:
     """Engine.load, and with `fast_memory` (a size as `sparseforge plan` takes: "300MB", "25%") its MLP units tiered
     over disk (runtime/store.py) for a placement plan made now for that budget; the store's reader thread is
     stopped on exit. device, device_memory: the hybrid tier, as Engine.load; with fast_memory too, the CPU's share of
@@ -153,8 +158,8 @@ def open_engine(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float
             if device is not None:  # the hybrid tier: the store holds the neurons the device does not (runtime/hybrid.py)
                 from sparseforge.runtime.hybrid import cpu_plan
 
-                plan = cpu_plan(ckpt, fast_memory, device_memory, weight_dtype, context, predictor_dtype)
-            units = stack.enter_context(tiered_units(ckpt, plan, weight_dtype, context=context, predictor_dtype=predictor_dtype,
+                plan = cpu_plan(ckpt, fast_memory, device_memory, weight_dtype, context, predictor_dtype, kv_dtype)
+            units = stack.enter_context(tiered_units(ckpt, plan, weight_dtype, context=context, predictor_dtype=predictor_dtype, kv_dtype=kv_dtype,
                                                      head_screen=head_screen is not False and device is None, progress=progress))  # fmt: skip
         yield Engine.load(ckpt, mode=mode, weight_dtype=weight_dtype, context=context, threads=threads, units=units, progress=progress,
-                          predictor_dtype=predictor_dtype, head_screen=head_screen, device=device, device_memory=device_memory)  # fmt: skip
+                          predictor_dtype=predictor_dtype, head_screen=head_screen, device=device, device_memory=device_memory, kv_dtype=kv_dtype)  # fmt: skip

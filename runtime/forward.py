@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from sparseforge.errors import SparseforgeError
+from sparseforge.runtime.sizes import KV_DTYPE_CHOICES
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,12 +67,17 @@ def attention_shape(config) -> AttentionShape:
     return AttentionShape(heads, getattr(config, "num_key_value_heads", None) or heads, head_dim, config.rms_norm_eps, windows)
 
 
+KV_DTYPES = {name: getattr(torch, name) for name in KV_DTYPE_CHOICES}  # a KV cache's element types (engine kv_dtype)
+
+
 class KVCache:
-    """Preallocated keys and values: k, v [L, B, kv_heads, context, head_dim] float32 on `device`; positions
+    """Preallocated keys and values: k, v [L, B, kv_heads, context, head_dim] of `dtype` (float32, or float16: each
+    key and value rounded once as it is written, attention computed in float32) on `device`; positions
     0..length-1 are filled (the same length for every row)."""
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, context: int, head_dim: int, device: torch.device | str = "cpu"):
-        self.k = torch.zeros(layers, batch, kv_heads, context, head_dim, device=device)
+    def __init__(self, layers: int, batch: int, kv_heads: int, context: int, head_dim: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        self.k = torch.zeros(layers, batch, kv_heads, context, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.length = 0
 
@@ -93,7 +99,7 @@ class KVCache:
     def fork(self, n: int) -> "KVCache":
         """A batch-n cache whose every row is a copy of row 0 (a shared prefix scored or sampled n ways)."""
         L, _, kvh, ctx, hd = self.k.shape
-        out = KVCache(L, n, kvh, ctx, hd, self.k.device)
+        out = KVCache(L, n, kvh, ctx, hd, self.k.device, self.k.dtype)
         out.k[:, :, :, : self.length] = self.k[:, :1, :, : self.length]
         out.v[:, :, :, : self.length] = self.v[:, :1, :, : self.length]
         out.length = self.length
@@ -139,7 +145,7 @@ def attention(x: torch.Tensor, lw, shape: AttentionShape, layer: int, cache: KVC
         mask = kpos <= qpos
         if window is not None:
             mask &= qpos - kpos < window
-    return _attend(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], mask, lw, shape)
+    return _attend(q, cache.k[layer, :, :, :end].to(q.dtype), cache.v[layer, :, :, :end].to(q.dtype), mask, lw, shape)
 
 
 def attention_at(x: torch.Tensor, lw, shape: AttentionShape, layer: int, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor,
@@ -149,16 +155,16 @@ def attention_at(x: torch.Tensor, lw, shape: AttentionShape, layer: int, cache: 
     so a captured CUDA graph replays it at any position below len(kpos) (runtime/graphs.py). Each KV head's query
     heads attend as one batch of rows (two bmm, no repeated keys or values): few kernels per layer."""
     q, k, v = _project(x, lw, shape, cos.index_select(0, pos), sin.index_select(0, pos))
-    cache.k[layer].index_copy_(2, pos, k)
-    cache.v[layer].index_copy_(2, pos, v)
+    cache.k[layer].index_copy_(2, pos, k.to(cache.k.dtype))
+    cache.v[layer].index_copy_(2, pos, v.to(cache.v.dtype))
     span = kpos.numel()
     mask = kpos <= pos
     if shape.windows[layer] is not None:
         mask &= pos - kpos < shape.windows[layer]
     nh, kvh, hd = shape.heads, shape.kv_heads, shape.head_dim
-    scores = (q.view(kvh, nh // kvh, hd) * hd**-0.5) @ cache.k[layer, 0, :, :span].transpose(1, 2)  # [kvh, group, span]
+    scores = (q.view(kvh, nh // kvh, hd) * hd**-0.5) @ cache.k[layer, 0, :, :span].to(q.dtype).transpose(1, 2)  # [kvh, group, span]
     probs = torch.where(mask, scores, float("-inf")).softmax(-1)
-    return lw.o((probs @ cache.v[layer, 0, :, :span]).view(1, nh * hd)).view(1, 1, -1)
+    return lw.o((probs @ cache.v[layer, 0, :, :span].to(probs.dtype)).view(1, nh * hd)).view(1, 1, -1)
 
 
 def route(router: torch.Tensor, x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,7 +51,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def device_plan(ckpt, device_memory: str, weight_dtype: str, context: int) -> dict:
+def device_plan(ckpt, device_memory: str, weight_dtype: str, context: int, kv_dtype: str = "float32") -> dict:
     """The placement plan of the device: its budget (a --fast-memory size: "6GB", "25%" of the MLP bytes on top of the
     reserve) holds attention, embeddings, lm_head, norms and the KV cache, then the most frequent neurons."""
     from sparseforge.runtime.plan import PlanRequest, make_plan
@@ -62,19 +62,21 @@ def device_plan(ckpt, device_memory: str, weight_dtype: str, context: int) -> di
     except SparseforgeError as e:
         raise SparseforgeError(str(e).replace("--fast-memory", "--device-memory")) from None
     try:
-        return make_plan(ckpt, PlanRequest(size, context=context, dtype=weight_dtype, predictors=False, head_screen=False))
+        return make_plan(ckpt, PlanRequest(size, context=context, dtype=weight_dtype, predictors=False, head_screen=False, kv_dtype=kv_dtype))
     except SparseforgeError as e:
         raise SparseforgeError(str(e).replace("--fast-memory", "--device-memory")) from None
 
 
-def cpu_plan(ckpt, fast_memory: str, device_memory: str | None, weight_dtype: str, context: int, predictor_dtype: str | None) -> dict:
+def cpu_plan(ckpt, fast_memory: str, device_memory: str | None, weight_dtype: str, context: int, predictor_dtype: str | None,
+             kv_dtype: str = "float32") -> dict:
     """The neuron store's plan under a hybrid engine: `fast_memory` of CPU memory for the neurons the device does not
     hold (theirs ranked first by frequency, the device's last), counted as the CPU engine counts it."""
     from sparseforge.runtime.plan import PlanRequest, make_plan
     from sparseforge.runtime.sizes import parse_size
 
-    exclude = device_hot(device_plan(ckpt, device_memory or "100%", weight_dtype, context))
-    request = PlanRequest(parse_size(fast_memory), context=context, dtype=weight_dtype, predictor_dtype=predictor_dtype, head_screen=False)
+    exclude = device_hot(device_plan(ckpt, device_memory or "100%", weight_dtype, context, kv_dtype))
+    request = PlanRequest(parse_size(fast_memory), context=context, dtype=weight_dtype, predictor_dtype=predictor_dtype, head_screen=False,
+                          kv_dtype=kv_dtype)
     return make_plan(ckpt, request, exclude=exclude)
 
 

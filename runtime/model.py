@@ -27,7 +27,7 @@ import torch
 from sparseforge.errors import SparseforgeError
 from sparseforge.files import damaged, read_json
 from sparseforge.runtime import kernels
-from sparseforge.runtime.forward import AttentionShape, attention_shape, rope_tables
+from sparseforge.runtime.forward import KV_DTYPES, AttentionShape, attention_shape, rope_tables
 from sparseforge.runtime.head import FLOAT_DTYPES, HeadScreen, screen_bytes
 from sparseforge.runtime.screen import SCREENED, load_screens, screens_nbytes
 from sparseforge.runtime.weights import ModelWeights, WeightReader, load_unit_predictors, load_weights, predictors_nbytes
@@ -55,6 +55,7 @@ class Model:
     units: Callable | None = None  # the units factory the MLPs came from (None: resident bundles or dense matrices)
     screens: dict | None = None  # per (layer, expert): runtime/screen.py UnitScreen (screen mode)
     device_tier: object = None  # runtime/hybrid.py DeviceTier: the hybrid engine's fast device (None: everything on the CPU)
+    kv_dtype: str = "float32"  # the KV cache's element type (runtime/forward.py KV_DTYPES)
     shape: AttentionShape = field(init=False)
     cos: torch.Tensor = field(init=False)  # [context, head_dim]
     sin: torch.Tensor = field(init=False)
@@ -103,7 +104,7 @@ class Model:
 
 def load_model(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float32", context: int = 2048, threads: int | None = None,
                units: Callable | None = None, progress: bool = True, native: bool | None = None, predictor_dtype: str | None = None,
-               head_screen: bool | None = None, device: str | None = None, device_memory: str | None = None) -> Model:
+               head_screen: bool | None = None, device: str | None = None, device_memory: str | None = None, kv_dtype: str = "float32") -> Model:
     """Read a sparse checkpoint; the arguments are Engine.load's (runtime/engine.py)."""
     from sparseforge.sources import checkpoint_tokenizer
 
@@ -112,6 +113,8 @@ def load_model(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float3
         raise SparseforgeError(f"unknown mode {mode!r}; use one of {', '.join((AUTO, *MODES))}")
     if context < 1:
         raise SparseforgeError(f"context={context} must be at least 1 token")
+    if kv_dtype not in KV_DTYPES:
+        raise SparseforgeError(f"unknown KV cache dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
     if threads is not None:
         if threads < 1:
             raise SparseforgeError(f"threads={threads} must be at least 1")
@@ -131,7 +134,7 @@ def load_model(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float3
                                    "(runtime/store.py), not from another units factory")  # fmt: skip
         if head_screen:
             raise SparseforgeError("head_screen=True: a hybrid engine computes the lm_head on its device, without the CPU's int8 screen; load with head_screen=None")
-        tier = DeviceTier(resolve_device(device or "cpu"), device_plan(ckpt, device_memory or "100%", weight_dtype, context))
+        tier = DeviceTier(resolve_device(device or "cpu"), device_plan(ckpt, device_memory or "100%", weight_dtype, context, kv_dtype))
         head_screen = False
     plan = getattr(units, "plan", None)  # a neuron store's placement plan: its reserve must hold the predictors and head screen
     predictors = _load_predictors(ckpt, config, predictor_dtype or weight_dtype, plan) if mode == "sparse" else None
@@ -150,7 +153,8 @@ def load_model(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float3
 
             move_weights(weights, tier.device)
     tokenizer = checkpoint_tokenizer(str(ckpt), config)
-    model = Model(ckpt, config, tokenizer, weights, predictors, mode, context, threads, weight_dtype, native, screen, units, device_tier=tier)
+    model = Model(ckpt, config, tokenizer, weights, predictors, mode, context, threads, weight_dtype, native, screen, units, device_tier=tier,
+                  kv_dtype=kv_dtype)
     if mode == "screen":
         with torch.inference_mode():
             model.screens = load_screens(reader, model)

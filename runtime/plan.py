@@ -65,6 +65,7 @@ class PlanRequest:
     predictor_dtype: str | None = None  # None: `dtype`, as the engine converts its predictors by default
     head_screen: bool = True  # reserve the lm_head's int8 screen (float dtypes), which engines build by default
     predictors: bool = True  # reserve the predictors (a hybrid engine's device plan: False, they run on the CPU)
+    kv_dtype: str = "float32"  # the engine's KV cache dtype (Engine.load kv_dtype)
 
 
 def _rate(hit: int, total: int) -> float | None:
@@ -92,7 +93,8 @@ def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[in
             f"profile counts have shape {tuple(counts.shape)}, the model is [L, E, I] = "
             f"{(shape.layers, shape.experts, shape.intermediate)}; re-run sparseforge profile on this checkpoint"
         )
-    reserve = reserve_bytes(ckpt, shape, headers, dtype, request.context, predictor_dtype if request.predictors else None, request.head_screen)
+    reserve = reserve_bytes(ckpt, shape, headers, dtype, request.context, predictor_dtype if request.predictors else None, request.head_screen,
+                            request.kv_dtype)
     per_neuron = neuron_bytes(shape.hidden, dtype)
     neurons = shape.layers * shape.experts * shape.intermediate
     mlp_total = neurons * per_neuron
@@ -139,6 +141,7 @@ def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[in
         "dtype": dtype,
         "predictor_dtype": predictor_dtype if request.predictors else None,
         "context": request.context,
+        "kv_dtype": request.kv_dtype,
         "always_touched": reserve,
         "bytes_per_neuron": per_neuron,
         "mlp": {

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from sparseforge.errors import SparseforgeError
 from sparseforge.files import damaged, open_safetensors, read_json
-from sparseforge.runtime.head import screen_bytes
 
 DTYPES = ("float32", "float16", "bfloat16", "int8")
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+KV_DTYPE_CHOICES = ("float32", "float16")  # the engine's KV cache element types (Engine.load kv_dtype)
 INT8_SCALE_BYTES = 4  # one float32 scale per stored row of an int8 matrix
 STORED_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -76,9 +76,12 @@ def neuron_bytes(hidden: int, dtype: str) -> int:
     return 3 * hidden * ELEMENT_BYTES[dtype]
 
 
-def kv_cache_bytes(shape: "ModelShape", context: int, dtype: str) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x context x bytes; int8 weights keep a float32 cache."""
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * context * (4 if dtype == "int8" else ELEMENT_BYTES[dtype])
+def kv_cache_bytes(shape: "ModelShape", context: int, kv_dtype: str = "float32") -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x context x bytes of the engine's cache dtype (float32 or float16,
+    whatever the weights' dtype)."""
+    if kv_dtype not in KV_DTYPE_CHOICES:
+        raise SparseforgeError(f"unknown KV cache dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPE_CHOICES)}")
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * context * ELEMENT_BYTES[kv_dtype]
 
 
 @dataclass(frozen=True)
@@ -159,10 +162,10 @@ def stored_dtype(headers: dict[str, tuple[str, list[int]]]) -> str:
 
 
 def reserve_bytes(ckpt: str | Path, shape: ModelShape, headers: dict, dtype: str, context: int, predictor_dtype: str | None,
-                  head_screen: bool = True) -> dict[str, int]:  # fmt: skip
+                  head_screen: bool = True, kv_dtype: str = "float32") -> dict[str, int]:  # fmt: skip
     """Always-touched bytes by category (+ `total`): every non-MLP weight in `dtype`, the lm_head once if
     tied, the predictors in `predictor_dtype` (None: none), the lm_head's screen (float dtypes, unless head_screen is False), and
-    the KV cache for `context` tokens."""
+    the KV cache of `kv_dtype` for `context` tokens."""
     cats = dict.fromkeys(("attention", "embeddings", "lm_head", "norms", "routers", "mlp_biases", "other"), 0)
     mlp_elements = 0
     for name, (_, dims) in headers.items():
@@ -180,7 +183,7 @@ def reserve_bytes(ckpt: str | Path, shape: ModelShape, headers: dict, dtype: str
     cats["mlp_channel_scales"] = shape.layers * shape.experts * shape.hidden * 4 if dtype == "int8" else 0  # int8 down columns: [H] per unit
     cats["predictors"] = predictor_bytes(ckpt, predictor_dtype) if predictor_dtype else 0
     cats["head_screen"] = head_screen_bytes(headers, dtype) if head_screen else 0
-    cats["kv_cache"] = kv_cache_bytes(shape, context, dtype)
+    cats["kv_cache"] = kv_cache_bytes(shape, context, kv_dtype)
     cats["total"] = sum(cats.values())
     return cats
 
@@ -190,6 +193,8 @@ def head_screen_bytes(headers: dict, dtype: str) -> int:
     name = "lm_head.weight" if "lm_head.weight" in headers else "model.embed_tokens.weight"
     if dtype == "int8" or "lm_head.bias" in headers or name not in headers:
         return 0
+    from sparseforge.runtime.head import screen_bytes  # here: this module stays free of torch for the CLI's choices
+
     return screen_bytes(*headers[name][1])
 
 

@@ -155,7 +155,9 @@ def test_dtypes_int8_and_predictors(llama, tmp_path):
     ckpt, _ = llama
     half = make_plan(ckpt, PlanRequest(parse_size("0%"), context=16, dtype="bfloat16"))
     attention, embeddings, _, norms, kv, _ = _reserve_by_hand(dtype_bytes=2, context=16)
-    assert half["always_touched"]["attention"] == attention and half["always_touched"]["kv_cache"] == kv
+    assert half["always_touched"]["attention"] == attention and half["always_touched"]["kv_cache"] == 2 * kv  # a float32 cache, whatever the weights
+    kv16 = make_plan(ckpt, PlanRequest(parse_size("0%"), context=16, dtype="bfloat16", kv_dtype="float16"))
+    assert kv16["always_touched"]["kv_cache"] == kv and kv16["kv_dtype"] == "float16" and half["kv_dtype"] == "float32"
     q = make_plan(ckpt, PlanRequest(parse_size("0%"), context=16, dtype="int8"))
     assert q["bytes_per_neuron"] == neuron_bytes(H, "int8") == 3 * (H + 4)
     assert q["always_touched"]["attention"] == L * (2 * 64 * (H + 4) + 2 * 32 * (H + 4))  # int8 rows + f32 row scales

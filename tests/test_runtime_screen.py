@@ -3,13 +3,10 @@ mode gives the oracle's logits and greedy tokens while reading fewer bytes than 
 
 import copy
 import ctypes
-import os
-import shutil
-import subprocess
 
 import pytest
 import torch
-from tiny import profiled_checkpoint, tiny_model, tiny_tokenizer
+from tiny import kernels_built_with, profiled_checkpoint, tiny_model, tiny_tokenizer
 
 from sparseforge.checkpoint import save_sparse
 from sparseforge.errors import SparseforgeError
@@ -336,13 +333,7 @@ def test_the_screens_integer_dots_are_exact():
 @pytest.mark.parametrize("flags", [["-mno-avx512vnni", "-mno-avxvnni"], ["-mno-avx2"]])
 def test_the_screens_integer_dots_are_exact_without_vnni_or_avx2(tmp_path, flags):
     """The same sums from the kernels built for a CPU without VNNI (int16 pair products) or without AVX2 (scalar)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    lib = tmp_path / "k.so"
-    subprocess.run([cc, *kernels.FLAGS, *flags, str(kernels.SOURCE), "-o", str(lib), "-lm"], check=True, capture_output=True)
-    lib = ctypes.CDLL(str(lib))
-    lib.sf_screen_dots.argtypes = kernels._SIGNATURES["sf_screen_dots"][1]
+    lib = kernels_built_with(tmp_path, flags)
     assert lib.sf_has_vnni() == 0 and lib.sf_has_avx2() == (flags[0] != "-mno-avx2")
     _assert_exact_screen_dots(lib)
 

@@ -1,8 +1,14 @@
 """Tiny random models of every supported family, and a tiny tokenizer, built offline in the test."""
 
+import ctypes
 import gzip
 import json
+import os
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -132,3 +138,19 @@ def profiled_checkpoint(root, family: str):
     tensors, report = profile_model(model, random_windows(4, 32), tokens=128, batch_size=2, coact_tokens=16, block_size=8, progress=False)
     save_profile(ckpt, tensors, report)
     return ckpt, model, tensors
+
+
+def kernels_built_with(tmp_path: Path, flags: list[str]) -> ctypes.CDLL:
+    """The native kernels compiled as the engine compiles them plus `flags` (e.g. -mno-avx2: the scalar paths), every
+    entry point typed as runtime/kernels.py types it; the test is skipped without a C compiler."""
+    from sparseforge.runtime import kernels
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    path = tmp_path / "k.so"
+    subprocess.run([cc, *kernels.FLAGS, *flags, str(kernels.SOURCE), "-o", str(path), "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(path))
+    for name, (restype, argtypes) in kernels._SIGNATURES.items():
+        getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
+    return lib

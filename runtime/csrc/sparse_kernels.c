@@ -29,6 +29,7 @@
  *   sf_gated_act   the dense mode's activation of one row (gate and up from one stacked matvec)
  *   sf_attention_decode  a whole attention block for one row at one position (norms, qkv, RoPE, KV-cache
  *                  write, GQA attention, o projection, residual).
+ *   sf_store_kv    n floats written as the KV cache stores them (float32, or float16 rounded to nearest even)
  *   sf_decode_layers  every layer of one decode step (attention block, then predictor + sparse MLP, or the
  *                  dense MLP) and the final norm in one call, from per-layer argument structs prepared at load.
  *
@@ -1011,30 +1012,34 @@ static SF_INLINE float softmax_exps(float *sc, int64_t n, float mx) {
     return sum;
 }
 
-/* One query head over n cached positions (k, v: [n, hd] rows): o[0:hd] = softmax(scale * (q . k_s)) weighted sum
- * of v_s; sc: n floats of scratch. Four positions at a time where AVX2 is built and hd is a multiple of 8: four independent dot chains with one
- * horizontal reduction for the four, and o loaded and stored once per four values (one position at a time, each
- * dot's reduction and o's loads and stores cost more than its multiply-adds); o is divided by the exponentials'
- * sum once at the end. */
-static SF_INLINE void attend_head(const float *q, const float *k, const float *v, int64_t n, int64_t hd, float scale, float *sc, float *o) {
+/* One query head over n cached positions (k, v: [n, hd] rows of kv dtype, float32 or float16): o[0:hd] =
+ * softmax(scale * (q . k_s)) weighted sum of v_s; sc: n floats of scratch. Four positions at a time where AVX2 is
+ * built and hd is a multiple of 8: four independent dot chains with one horizontal reduction for the four, and o
+ * loaded and stored once per four values (one position at a time, each dot's reduction and o's loads and stores
+ * cost more than its multiply-adds); o is divided by the exponentials' sum once at the end. kvd is a constant at
+ * each call, so each cache dtype gets its own loop. */
+static SF_INLINE void attend_head(const float *q, const void *k, const void *v, int kvd, int64_t n, int64_t hd, float scale, float *sc,
+                                  float *o) {
+    const int64_t row = hd * ELEM_SIZE[kvd];  /* bytes per cached position */
+    const char *kb = (const char *)k, *vb = (const char *)v;
     int64_t s = 0;
 #if SF_AVX2
     if (hd % 8 == 0)
         for (; s + 4 <= n; s += 4) {
-            const float *k0 = k + s * hd, *k1 = k0 + hd, *k2 = k1 + hd, *k3 = k2 + hd;
+            const char *k0 = kb + s * row, *k1 = k0 + row, *k2 = k1 + row, *k3 = k2 + row;
             __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
             for (int64_t j = 0; j < hd; j += 8) {
                 const __m256 qj = _mm256_loadu_ps(q + j);
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + j), qj, a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k1 + j), qj, a1);
-                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k2 + j), qj, a2);
-                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k3 + j), qj, a3);
+                a0 = _mm256_fmadd_ps(load8(k0, j, kvd), qj, a0);
+                a1 = _mm256_fmadd_ps(load8(k1, j, kvd), qj, a1);
+                a2 = _mm256_fmadd_ps(load8(k2, j, kvd), qj, a2);
+                a3 = _mm256_fmadd_ps(load8(k3, j, kvd), qj, a3);
             }
             const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  /* lanes: the halves' sums */
             _mm_storeu_ps(sc + s, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_set1_ps(scale)));
         }
 #endif
-    for (; s < n; s++) sc[s] = dot(k + s * hd, q, hd, SF_F32) * scale;
+    for (; s < n; s++) sc[s] = dot(kb + s * row, q, hd, kvd) * scale;
     float mx = -INFINITY;
     for (s = 0; s < n; s++) mx = sc[s] > mx ? sc[s] : mx;
     const float inv = 1.0f / softmax_exps(sc, n, mx);
@@ -1043,19 +1048,60 @@ static SF_INLINE void attend_head(const float *q, const float *k, const float *v
 #if SF_AVX2
     if (hd % 8 == 0)
         for (; s + 4 <= n; s += 4) {
-            const float *v0 = v + s * hd, *v1 = v0 + hd, *v2 = v1 + hd, *v3 = v2 + hd;
+            const char *v0 = vb + s * row, *v1 = v0 + row, *v2 = v1 + row, *v3 = v2 + row;
             const __m256 w0 = _mm256_set1_ps(sc[s]), w1 = _mm256_set1_ps(sc[s + 1]), w2 = _mm256_set1_ps(sc[s + 2]), w3 = _mm256_set1_ps(sc[s + 3]);
             for (int64_t j = 0; j < hd; j += 8) {
-                __m256 oj = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + j), _mm256_loadu_ps(o + j));
-                oj = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + j), oj);
-                oj = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v2 + j), oj);
-                _mm256_storeu_ps(o + j, _mm256_fmadd_ps(w3, _mm256_loadu_ps(v3 + j), oj));
+                __m256 oj = _mm256_fmadd_ps(w0, load8(v0, j, kvd), _mm256_loadu_ps(o + j));
+                oj = _mm256_fmadd_ps(w1, load8(v1, j, kvd), oj);
+                oj = _mm256_fmadd_ps(w2, load8(v2, j, kvd), oj);
+                _mm256_storeu_ps(o + j, _mm256_fmadd_ps(w3, load8(v3, j, kvd), oj));
             }
         }
 #endif
-    for (; s < n; s++) axpy(sc[s], v + s * hd, o, hd, SF_F32);
+    for (; s < n; s++) axpy(sc[s], vb + s * row, o, hd, kvd);
     for (int64_t j = 0; j < hd; j++) o[j] *= inv;
 }
+
+/* float32 -> float16, rounded to nearest even (as torch's .half()); overflow to infinity, NaN stays NaN */
+static SF_INLINE uint16_t f32_to_f16(float f) {
+#if SF_AVX2
+    return (uint16_t)_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT), 0);
+#else
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t sign = (u >> 16) & 0x8000, a = u & 0x7fffffff;
+    if (a >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (a > 0x7f800000 ? 0x200 : 0));  /* inf, NaN */
+    if (a >= 0x477ff000) return (uint16_t)(sign | 0x7c00);                                  /* rounds past 65504 */
+    if (a < 0x38800000) {                                                                    /* below 2^-14: subnormal or 0 */
+        if (a < 0x33000000) return (uint16_t)sign;                                           /* below half the least subnormal */
+        const uint32_t e = a >> 23, man = (a & 0x7fffff) | 0x800000, shift = 126 - e;        /* value = man 2^(e - 150) */
+        uint32_t h = man >> shift;  /* in units of 2^-24, the least subnormal */
+        const uint32_t rest = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+        h += rest > half || (rest == half && (h & 1));
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = ((a >> 13) - (112u << 10)), rest = a & 0x1fff;  /* rebias 127 -> 15 */
+    h += rest > 0x1000 || (rest == 0x1000 && (h & 1));
+    return (uint16_t)(sign | h);
+#endif
+}
+
+/* n floats -> the cache row at dst of dtype kvd (float32 or float16) */
+static void store_kv(void *dst, const float *src, int64_t n, int kvd) {
+    if (kvd == SF_F32) {
+        memcpy(dst, src, sizeof(float) * n);
+        return;
+    }
+    uint16_t *h = (uint16_t *)dst;
+    int64_t i = 0;
+#if SF_AVX2
+    for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) h[i] = f32_to_f16(src[i]);
+}
+
+/* store_kv for callers outside (the tests hold its rounding to torch's on exact ties) */
+void sf_store_kv(void *dst, const float *src, int64_t n, int kv_dtype) { store_kv(dst, src, n, kv_dtype); }
 
 static void rms_norm(const float *x, const float *w, float eps, int64_t n, float *out) {
     double ss = 0.0;  /* the mean of squares in double: one value per row, cheap, and close to torch's */
@@ -1077,12 +1123,13 @@ static void rope(float *v, const float *cos, const float *sin, int64_t hd) {
  *   xn = rms_norm(x) * in_norm; q, k, v = split(qkv_w xn + qkv_b); q/k head norms (Qwen3); RoPE;
  *   k, v -> cache[:, pos]; attention of each query head over positions [max(0, pos + 1 - window), pos] of
  *   its kv head (GQA); x += o_w attn + o_b; out = rms_norm(x) * post_norm (the MLP's input).
- * k_cache, v_cache: [kv_heads, context, hd] of this layer and row. scratch: float [H + (nh + 2 kvh) hd +
- * nh hd + nh (pos + 1)]. window 0 = none. */
+ * k_cache, v_cache: [kv_heads, context, hd] of this layer and row, float32 (kv_dtype SF_F32) or float16 (SF_F16: keys
+ * and values rounded as they are written, attended in float32). scratch: float [H + (nh + 2 kvh) hd + nh hd +
+ * nh (pos + 1)]. window 0 = none. */
 void sf_attention_decode(float *x, float *out, const float *in_norm, const float *post_norm, float eps, int64_t hidden,
                          const void *qkv_w, const float *qkv_s, const float *qkv_b, const void *o_w, const float *o_s,
                          const float *o_b, int dtype, const float *q_norm, const float *k_norm, const float *cos,
-                         const float *sin, float *k_cache, float *v_cache, int64_t context, int64_t pos, int64_t window,
+                         const float *sin, void *k_cache, void *v_cache, int kv_dtype, int64_t context, int64_t pos, int64_t window,
                          int64_t nh, int64_t kvh, int64_t hd, float *scratch, int nthreads) {
     float *xn = scratch, *qkv = xn + hidden, *att = qkv + (nh + 2 * kvh) * hd, *scores = att + nh * hd;
     rms_norm(x, in_norm, eps, hidden, xn);
@@ -1094,16 +1141,21 @@ void sf_attention_decode(float *x, float *out, const float *in_norm, const float
         if (norm) rms_norm(head, norm, eps, hd, head);
         rope(head, cos, sin, hd);
     }
+    const int64_t es = ELEM_SIZE[kv_dtype];
     for (int64_t h = 0; h < kvh; h++) {
-        memcpy(k_cache + (h * context + pos) * hd, k + h * hd, sizeof(float) * hd);
-        memcpy(v_cache + (h * context + pos) * hd, v + h * hd, sizeof(float) * hd);
+        store_kv((char *)k_cache + (h * context + pos) * hd * es, k + h * hd, hd, kv_dtype);
+        store_kv((char *)v_cache + (h * context + pos) * hd * es, v + h * hd, hd, kv_dtype);
     }
     const int64_t first = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0, n = pos + 1 - first, group = nh / kvh;
     const float scale = 1.0f / sqrtf((float)hd);
 #pragma omp parallel for schedule(static) num_threads(threads_for(nthreads, n * nh))
     for (int64_t h = 0; h < nh; h++) {
-        const int64_t kv = ((h / group) * context + first) * hd;
-        attend_head(q + h * hd, k_cache + kv, v_cache + kv, n, hd, scale, scores + h * n, att + h * hd);
+        const int64_t kv = ((h / group) * context + first) * hd * es;
+        const char *kh = (const char *)k_cache + kv, *vh = (const char *)v_cache + kv;
+        if (kv_dtype == SF_F16)
+            attend_head(q + h * hd, kh, vh, SF_F16, n, hd, scale, scores + h * n, att + h * hd);
+        else
+            attend_head(q + h * hd, kh, vh, SF_F32, n, hd, scale, scores + h * n, att + h * hd);
     }
     sf_matvec(o_w, o_s, o_b, dtype, hidden, nh * hd, att, 1, xn, nthreads);
     for (int64_t i = 0; i < hidden; i++) x[i] += xn[i];
@@ -1160,21 +1212,22 @@ static double seconds_now(void) {
 }
 
 /* Every layer of one decode step for one row at position pos, then out = rms_norm(x) * final_norm (the lm_head's
- * input). k_cache, v_cache: layer 0's [kv_heads, context, hd] of this row, layer i at + i * layer_stride floats.
+ * input). k_cache, v_cache: layer 0's [kv_heads, context, hd] of this row (kv_dtype: as sf_attention_decode), layer i at
+ * + i * layer_stride elements.
  * counts[0..2]: the sparse kernel's gate rows, up rows and down columns read (added to); stats[0] += neurons computed by the
  * sparse kernel, stats[1] += neurons the dense activation fired, stats[2] += up rows the screen read; seconds[0..2] +=
  * wall time in attention blocks, predictors or screens, and MLPs. Returns 0, or -1 when the sparse kernel could not allocate its lists (x is then partly
  * updated: the step must be discarded). */
 int sf_decode_layers(const sf_layer *layers, int64_t n_layers, float *x, float *xn, const float *final_norm, float *out, float eps,
-                     int64_t hidden, const float *cos, const float *sin, float *k_cache, float *v_cache, int64_t layer_stride,
+                     int64_t hidden, const float *cos, const float *sin, void *k_cache, void *v_cache, int kv_dtype, int64_t layer_stride,
                      int64_t context, int64_t pos, int64_t nh, int64_t kvh, int64_t hd, float *scratch, int64_t *counts, int64_t *stats,
                      double *seconds, int nthreads) {
     for (int64_t i = 0; i < n_layers; i++) {
         const sf_layer *L = layers + i;
         double t0 = seconds_now();
         sf_attention_decode(x, xn, L->in_norm, L->post_norm, eps, hidden, L->qkv_w, L->qkv_s, L->qkv_b, L->o_w, L->o_s, L->o_b,
-                            (int)L->attn_dtype, L->q_norm, L->k_norm, cos, sin, k_cache + i * layer_stride, v_cache + i * layer_stride,
-                            context, pos, L->window, nh, kvh, hd, scratch, nthreads);
+                            (int)L->attn_dtype, L->q_norm, L->k_norm, cos, sin, (char *)k_cache + i * layer_stride * ELEM_SIZE[kv_dtype],
+                            (char *)v_cache + i * layer_stride * ELEM_SIZE[kv_dtype], kv_dtype, context, pos, L->window, nh, kvh, hd, scratch, nthreads);
         double t1 = seconds_now(), t2 = t1;
         if (L->gate_up) {
             sf_matvec(L->gate_up, L->gate_up_s, NULL, (int)L->gate_up_dtype, 2 * L->inter, hidden, xn, 1, L->gu, nthreads);
