@@ -106,6 +106,8 @@ def export_powerinfer(ckpt: str | Path, out: str | Path, all_active: bool = Fals
             raise SparseforgeError(f"{ckpt}/predictors.json lacks a predictor for some layer; re-run sparseforge predictors train")
         fc1s = [preds.predictors[(i, 0)].fc1.weight.detach().clone() for i in range(layers)]
         fc2s = [preds.predictors[(i, 0)].fc2.weight.detach().clone() for i in range(layers)]
+        if preds.pairs:  # PowerInfer scores neurons: each pair's row for both its halves
+            fc2s = [torch.cat([fc2, fc2]) for fc2 in fc2s]
         if sparse_threshold is None:
             fc2s, threshold = fold_thresholds(fc2s, [preds.thresholds[(i, 0)] for i in range(layers)])
         else:

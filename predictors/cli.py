@@ -58,6 +58,9 @@ def register(subparsers) -> None:
     t.add_argument("--pilot-epochs", type=int, default=1, help="epochs of the pilot fit")
     t.add_argument("--pilot-rows", type=int, default=16384, help="training rows (a random subset) the pilot fits on")
     t.add_argument("--min-rank", type=int, default=16, help="smallest rank any predictor gets")
+    t.add_argument("--per", choices=("auto", "pair", "neuron"), default="auto",
+                   help="what one predictor score stands for: a pair of tied neuron halves (computed from one gate and one up row; "
+                   "auto where the checkpoint's halves are tied) or one neuron (docs/predictors.md)")  # fmt: skip
     t.set_defaults(func=train_command)
     c = verbs.add_parser(
         "calibrate",
@@ -109,7 +112,7 @@ def train_command(args) -> int:
 
     fit = FitConfig(args.budget, args.target_recall, args.lr, args.train_batch_size, args.max_epochs, args.patience, pilot_rank=args.pilot_rank,
                     pilot_epochs=args.pilot_epochs, pilot_rows=args.pilot_rows, recall_margin=args.recall_margin, min_rank=args.min_rank)  # fmt: skip
-    train_predictors(args.ckpt, stream_options(args), fit, args.heldout_tokens, args.cap)
+    train_predictors(args.ckpt, stream_options(args), fit, args.heldout_tokens, args.cap, args.per)
     return 0
 
 

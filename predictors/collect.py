@@ -98,9 +98,9 @@ def mlp_width(model) -> int:
     return int(model.config.intermediate_size)
 
 
-def reservoirs(model, cap: int, with_inputs: bool = True, seed: int = 0) -> list[list[Reservoir]]:
-    """One empty Reservoir per layer and expert: [L][E]."""
-    h, width, experts = model.config.hidden_size, mlp_width(model), num_experts(model.config)
+def reservoirs(model, cap: int, with_inputs: bool = True, seed: int = 0, pairs: bool = False) -> list[list[Reservoir]]:
+    """One empty Reservoir per layer and expert: [L][E], of the MLP's width (pairs: half of it)."""
+    h, width, experts = model.config.hidden_size, mlp_width(model) // (2 if pairs else 1), num_experts(model.config)
     return [
         [Reservoir(cap, h, width, with_inputs, generator=torch.Generator().manual_seed(seed + 1000 * i + e)) for e in range(experts)]
         for i in range(model.config.num_hidden_layers)
@@ -126,17 +126,22 @@ def collect_pairs(
     heldout_cap: int,
     batch_size: int = 4,
     progress: bool = True,
+    pairs: bool = False,
 ) -> PairSets:
     """Stream train_tokens then heldout_tokens tokens of `windows` (disjoint) through the model, keeping at
-    most `cap` / `heldout_cap` rows per layer and expert of (pre-MLP-norm residual, firing mask)."""
-    sets = PairSets(reservoirs(model, cap), reservoirs(model, heldout_cap, seed=1), 0, 0)
+    most `cap` / `heldout_cap` rows per layer and expert of (pre-MLP-norm residual, firing mask). pairs: the mask is
+    of the pairs of tied halves (neurons j and I/2 + j) with a half that fires."""
+    sets = PairSets(reservoirs(model, cap, pairs=pairs), reservoirs(model, heldout_cap, seed=1, pairs=pairs), 0, 0)
     device = next(model.parameters()).device
     stream = iter(windows)
     for part, tokens in (("train", train_tokens), ("heldout", heldout_tokens)):
         target = getattr(sets, part)
 
         def fn(call, target=target):
-            target[call.layer][call.expert].offer(call.x, call.h != 0)
+            fired = call.h != 0
+            if pairs:
+                fired = fired[:, : fired.shape[1] // 2] | fired[:, fired.shape[1] // 2 :]
+            target[call.layer][call.expert].offer(call.x, fired)
 
         seen = 0
         with hook_mlps(model, fn, inputs=True), torch.inference_mode(), tqdm(total=tokens, unit="tok", desc=f"collect {part}", disable=not progress) as bar:

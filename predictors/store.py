@@ -4,6 +4,10 @@ statistics). See docs/formats.md.
 Keys: `layers.{i}.fc1.weight` [rank, H] and `layers.{i}.fc2.weight` [I, rank] for dense MLPs;
 `layers.{i}.experts.{e}.fc1.weight` / `.fc2.weight` for MoE experts. A unit without weights (an expert
 no training token reached) has threshold null in the JSON and is treated as all-active.
+
+Pair predictors (`"pairs": true` in the JSON, for checkpoints of tied neuron halves): fc2 is [I/2, rank], one score
+per pair of halves (neurons j and I/2 + j), and a pair predicted active brings both halves: the runtime computes
+it from its one gate and one up row (runtime/mlp.py), and every mask below marks both.
 """
 
 from dataclasses import dataclass, field
@@ -31,12 +35,18 @@ class PredictorSet:
     thresholds: dict[tuple[int, int], float]
     report: dict = field(default_factory=dict)
 
+    @property
+    def pairs(self) -> bool:
+        """Whether each score is a pair of tied halves' (module docstring)."""
+        return bool(self.report.get("pairs", False))
+
     def predict(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """x: [N, H] -> predicted-active mask [N, I] bool."""
+        """x: [N, H] -> predicted-active mask [N, I] bool (pair predictors: both halves of each predicted pair)."""
         model = self.predictors[(layer, expert)]
         if model is None:
             return torch.ones(x.shape[0], self.report["intermediate_size"], dtype=torch.bool, device=x.device)
-        return model(x.to(model.fc1.weight.dtype)) >= self.thresholds[(layer, expert)]
+        keep = model(x.to(model.fc1.weight.dtype)) >= self.thresholds[(layer, expert)]
+        return torch.cat([keep, keep], dim=-1) if self.pairs else keep
 
     def to(self, device) -> "PredictorSet":
         for model in self.predictors.values():
@@ -81,7 +91,7 @@ def load_predictors(ckpt: str | Path) -> PredictorSet:
             fc1, fc2 = tensors[f"{prefix}.fc1.weight"], tensors[f"{prefix}.fc2.weight"]
         except KeyError as e:
             raise damaged(path, f"lacks {e.args[0]} listed in predictors.json") from None
-        width = report.get("intermediate_size", fc2.shape[0])
+        width = report.get("intermediate_size", fc2.shape[0]) // (2 if report.get("pairs") else 1)
         if fc1.dim() != 2 or fc2.dim() != 2 or fc1.shape[0] != fc2.shape[1] or fc2.shape[0] != width:
             raise damaged(path, f"holds {prefix} predictor matrices of shapes {list(fc1.shape)} and {list(fc2.shape)}, "
                                 f"not [rank, hidden] and [{width}, rank]")

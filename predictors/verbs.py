@@ -43,10 +43,15 @@ def profile(ckpt: str, stream: TextStream = TextStream(tokens=65536), coact_toke
     return report
 
 
+PER = ("auto", "pair", "neuron")  # what one predictor score stands for (train_predictors `per`)
+
+
 def train_predictors(ckpt: str, stream: TextStream = TextStream(tokens=65536), fit: FitConfig | None = None,
-                     heldout_tokens: int = 16384, cap: int | None = None) -> dict:
+                     heldout_tokens: int = 16384, cap: int | None = None, per: str = "auto") -> dict:
     """Fit per-layer predictors on the first `stream.tokens` tokens (at most `cap` rows per unit), calibrate them on the
-    next `heldout_tokens` -> CKPT/predictors.safetensors + .json. fit: None for FitConfig's defaults. Returns the report."""
+    next `heldout_tokens` -> CKPT/predictors.safetensors + .json. fit: None for FitConfig's defaults. per: "pair" scores
+    each pair of tied halves once (predictors/store.py), "neuron" each neuron, "auto" pairs where the checkpoint's
+    halves are tied. Returns the report."""
     from sparseforge.families import num_experts
     from sparseforge.predictors.calibrate import rates, total_counts
     from sparseforge.predictors.collect import collect_pairs
@@ -58,9 +63,16 @@ def train_predictors(ckpt: str, stream: TextStream = TextStream(tokens=65536), f
                     max_epochs=fit.max_epochs, patience=fit.patience, pilot_rank=fit.pilot_rank, pilot_epochs=fit.pilot_epochs,
                     pilot_rows=fit.pilot_rows, min_rank=fit.min_rank)  # fmt: skip
     check_recall(fit.target_recall, fit.recall_margin)
+    if per not in PER:
+        raise SparseforgeError(f"--per {per!r} is not one of {', '.join(PER)}")
     start = time.perf_counter()
     model, windows, source = _setup(ckpt, stream, "predictors train")
-    sets = collect_pairs(model, windows, stream.tokens, heldout_tokens, cap or stream.tokens, heldout_tokens, stream.batch_size, stream.progress)
+    tied = bool(model.config.sparsity.get("tied_halves"))
+    if per == "pair" and not tied:
+        raise SparseforgeError(f"--per pair needs a checkpoint of tied neuron halves (convert --halves, recipe tied_halves: true); {ckpt} has none: use --per neuron")
+    pairs = tied and per != "neuron"
+    sets = collect_pairs(model, windows, stream.tokens, heldout_tokens, cap or stream.tokens, heldout_tokens, stream.batch_size, stream.progress,
+                         pairs=pairs)  # fmt: skip
     if sets.heldout_tokens == 0:
         raise SparseforgeError(f"the data ran out before any held-out token ({sets.train_tokens} training tokens); pass more --data or lower --tokens")
     h, width = model.config.hidden_size, model.config.intermediate_size
@@ -71,7 +83,7 @@ def train_predictors(ckpt: str, stream: TextStream = TextStream(tokens=65536), f
     report = {
         "activation": model.config.sparsity["activation"], "data": stream.patterns, "text_field": stream.text_field, "seq_len": stream.seq_len,
         "train_tokens": sets.train_tokens, "heldout_tokens": sets.heldout_tokens,
-        "num_experts": num_experts(model.config), "hidden_size": h, "intermediate_size": width,
+        "num_experts": num_experts(model.config), "hidden_size": h, "intermediate_size": width, "pairs": pairs,
         "target_recall": fit.target_recall, "calibration_recall": calibration_recall(fit.target_recall, fit.recall_margin), "budget": fit.budget,
         "mlp_params": mlp_params, "predictor_params": pred_params, "params_fraction": pred_params / mlp_params,
         "fit": asdict(fit), "heldout": rates(totals), "eval": None,
@@ -128,7 +140,7 @@ def calibrate(ckpt: str, target_recall: float | None = None, recall_margin: floa
     predictors.to(stream.device)
     windows, later = itertools.tee(windows)
     held_windows = list(take_tokens(skip_tokens(windows, report["train_tokens"]), held))
-    sets = collect_pairs(model, held_windows, 0, held, 1, held, batch_size, progress)
+    sets = collect_pairs(model, held_windows, 0, held, 1, held, batch_size, progress, pairs=predictors.pairs)
     if sets.heldout_tokens < held:
         raise SparseforgeError(f"the data gave {sets.heldout_tokens} of the {held} held-out tokens training used; is --data the same as in training ({report['data']})?")
     curve = None

@@ -82,14 +82,20 @@ class SparseMLP:
         if p is not None and unit.fixed_slots is not None:
             self._predict_mlp_row(layer, expert, p, unit, xn, resid, scale, y)
             return
+        pairs = None  # pairs of tied halves to compute a pair at a time
         if p is not None:
             neurons = self._predict_row(layer, expert, p, resid, I)
+            if p.pairs and unit.tied:
+                pairs, neurons = neurons, None
+            elif p.pairs:
+                neurons = p.neurons(neurons, I)
         elif mode == "screen":
             neurons = self._screen_row(layer, expert, xn)
         act, threads, counts = self.model.activations[layer], self.model.threads, self.meter.rows_read
-        if neurons is None and unit.tied:  # every neuron of a resident unit of tied halves: a pair at a time
-            kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, self._all_neurons(I // 2), xn, act, y, scale, counts, threads, tied=True)
-            self.meter.native_mlp(I, I, row_bytes(unit))
+        if neurons is None and unit.tied:  # every neuron (or the predicted pairs) of a resident unit of tied halves: a pair at a time
+            pairs = self._all_neurons(I // 2) if pairs is None else pairs
+            kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, pairs, xn, act, y, scale, counts, threads, tied=True)
+            self.meter.native_mlp(2 * pairs.numel(), I, row_bytes(unit))
             return
         neurons = self._computed(unit, neurons)
         for chunk in unit.order(neurons).split(unit.capacity) if neurons.numel() > unit.capacity else (neurons,):
@@ -107,7 +113,7 @@ class SparseMLP:
         ids, scratch = self._predictor_buffers(layer, expert, p, unit.intermediate)
         before = self._seconds.value
         n = kernels.predict_mlp_native(p.fc1, p.fc2t, p.threshold, resid, unit.fixed_slots, ids, scratch, unit.bundles, unit.scales, unit.channels, xn,
-                                       self.model.activations[layer], y, scale, self.meter.rows_read, self._seconds, self.model.threads)  # fmt: skip
+                                       self.model.activations[layer], y, scale, self.meter.rows_read, self._seconds, self.model.threads, p.pairs)  # fmt: skip
         self.meter.predictor(self._seconds.value - before)
         self.meter.native_mlp(n, _width(unit), row_bytes(unit))
 
@@ -120,7 +126,8 @@ class SparseMLP:
         return ids
 
     def _predictor_buffers(self, layer: int, expert: int, p, intermediate: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The native predictor's buffers of a unit, made once: ids out [I] (int64) and float32 scratch [rank + I]."""
+        """The native predictor's buffers of a unit, made once: ids out [I] (int64) and float32 scratch [rank + I]
+        (pair predictors use half of each)."""
         if (layer, expert) not in self._native_predictor:
             self._native_predictor[(layer, expert)] = (torch.empty(intermediate, dtype=torch.long), torch.empty(p.fc1[0].shape[0] + intermediate))
         return self._native_predictor[(layer, expert)]
@@ -140,7 +147,7 @@ class SparseMLP:
         if self.model.mode == "sparse":
             start = time.perf_counter()
             p = self.model.predictors[(layer, expert)]
-            keep = torch.ones(x.shape[0], I, dtype=torch.bool) if p is None else kernels.predict_torch(p.fc1, p.fc2t, p.threshold, resid)  # [n, I]
+            keep = torch.ones(x.shape[0], I, dtype=torch.bool) if p is None else p.mask(kernels.predict_torch(p.fc1, p.fc2t, p.threshold, resid))  # [n, I]
             self.meter.predictor(time.perf_counter() - start)
         elif self.model.mode == "screen" and x.shape[0] <= SCREEN_ROWS:
             start = time.perf_counter()

@@ -196,7 +196,7 @@ def _load_predictors(ckpt: Path, config, dtype: str, plan: dict | None) -> dict:
     require_predictors(ckpt, 'load with mode "screen", "oracle" or "dense"')
     predictors = load_unit_predictors(ckpt, dtype)
     for (layer, expert), p in predictors.items():
-        shape = None if p is None else (p.fc1[0].shape[1], p.fc2t[0].shape[1])  # (H, I)
+        shape = None if p is None else (p.fc1[0].shape[1], p.fc2t[0].shape[1] * (2 if p.pairs else 1))  # (H, I)
         if p is not None and shape != (config.hidden_size, config.intermediate_size):
             raise damaged(ckpt / "predictors.safetensors", f"holds a predictor for layer {layer} expert {expert} of a model with "
                           f"(hidden, intermediate) = {shape}, config.json says {(config.hidden_size, config.intermediate_size)}")

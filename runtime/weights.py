@@ -208,11 +208,21 @@ def load_weights(reader: WeightReader, config, mode: str, units: Callable | None
 @dataclass
 class UnitPredictor:
     """One unit's predictor in the engine's weight dtype: active = fc2(relu(fc1 x)) >= threshold, with fc2 kept
-    transposed (the native kernel streams its rows of live hidden units, csrc/sparse_kernels.c sf_predict)."""
+    transposed (the native kernel streams its rows of live hidden units, csrc/sparse_kernels.c sf_predict). pairs:
+    its scores are of pairs of tied halves (I/2 of them; a predicted pair j is neurons j and I/2 + j)."""
 
     fc1: tuple  # (weights [rank, H], int8: per-row scales [rank], else None)
-    fc2t: tuple  # (fc2's weights transposed [rank, I], int8: per-neuron scales [I] (fc2's row scales), else None)
+    fc2t: tuple  # (fc2's weights transposed [rank, I] (pairs: [rank, I/2]), int8: per-output scales, else None)
     threshold: float
+    pairs: bool = False
+
+    def neurons(self, ids: torch.Tensor, intermediate: int) -> torch.Tensor:
+        """The predicted neurons (ascending) of the ids the predictor gave: pairs' ids -> both halves of each."""
+        return torch.cat([ids, ids + intermediate // 2]) if self.pairs else ids
+
+    def mask(self, keep: torch.Tensor) -> torch.Tensor:
+        """A predicted mask [N, I or I/2] -> [N, I]: both halves of each predicted pair."""
+        return torch.cat([keep, keep], dim=-1) if self.pairs else keep
 
     @property
     def nbytes(self) -> int:
@@ -239,5 +249,5 @@ def load_unit_predictors(ckpt: str | Path, dtype: str) -> dict[tuple[int, int], 
             out[key] = None
         else:
             w2, s2 = convert(model.fc2.weight.detach(), dtype)  # int8: one scale per neuron (fc2 row), then transposed
-            out[key] = UnitPredictor(convert(model.fc1.weight.detach(), dtype), (w2.T.contiguous(), s2), predictors.thresholds[key])
+            out[key] = UnitPredictor(convert(model.fc1.weight.detach(), dtype), (w2.T.contiguous(), s2), predictors.thresholds[key], predictors.pairs)
     return out

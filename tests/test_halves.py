@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import yaml
-from tiny import random_windows, tiny_model, tiny_recipe, tiny_tokenizer
+from tiny import decode_path, random_windows, tiny_model, tiny_recipe, tiny_tokenizer
 
 from sparseforge.checkpoint import load_sparse, save_sparse
 from sparseforge.cli import main
@@ -186,8 +186,6 @@ def test_tied_halves_prefill_a_pair_at_a_time_as_every_neuron_alone(tmp_path, on
 def test_an_oracle_decode_step_computes_tied_halves_a_pair_at_a_time_bit_for_bit(tmp_path, weight_dtype):
     """One row through every neuron (the oracle mode), in the one-call step and layer by layer: the same logits, bit
     for bit, as the halves computed one neuron at a time, from half the gate and up rows."""
-    from sparseforge.runtime.decode import LeanStep
-
     _thresholded_tied_halves(tmp_path / "ckpt")
     ids = torch.tensor(random_windows(1, 8))
     runs = {}
@@ -195,12 +193,7 @@ def test_an_oracle_decode_step_computes_tied_halves_a_pair_at_a_time_bit_for_bit
         engine = Engine.load(tmp_path / "ckpt", mode="oracle", weight_dtype=weight_dtype, context=32, progress=False)
         row = engine.step.row
         assert row is not None and row.lean is not None and all(lw.units[0].tied for lw in engine.model.weights.layers)
-        if name == "untied":
-            for lw in engine.model.weights.layers:
-                lw.units[0].tied = False
-            row.lean = LeanStep.build(engine.model, row, engine.meter)
-        elif name == "tied, layer by layer":
-            row.lean = None
+        decode_path(engine, name.removeprefix("tied, "))
         cache = engine.new_cache(1)
         engine.forward(ids[:, :2], cache)
         engine.reset_stats()

@@ -154,3 +154,19 @@ def kernels_built_with(tmp_path: Path, flags: list[str]) -> ctypes.CDLL:
     for name, (restype, argtypes) in kernels._SIGNATURES.items():
         getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
     return lib
+
+
+def decode_path(engine, path: str):
+    """Send a native engine's batch-1 steps of tied halves down `path`: "tied" (the one-call step, pairs at a time),
+    "layer by layer" (a native call per layer, pairs at a time) or "untied" (the one-call step, each half alone).
+    Returns the engine."""
+    from sparseforge.runtime.decode import LeanStep
+
+    row = engine.step.row
+    if path == "untied":
+        for lw in engine.model.weights.layers:
+            lw.units[0].tied = False
+        row.lean = LeanStep.build(engine.model, row, engine.meter)
+    elif path == "layer by layer":
+        row.lean = None
+    return engine

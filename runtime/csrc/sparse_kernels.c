@@ -868,16 +868,26 @@ int sf_sparse_mlp(const void *bundles, const float *scales, const float *channel
 
 static double seconds_now(void);
 
+/* n ascending pair ids (< half) of a pair predictor -> the 2n ascending neurons they stand for: each pair j is
+ * neurons j and half + j (ids must hold 2n) */
+static int64_t pair_neurons(int64_t *ids, int64_t n, int64_t half) {
+    for (int64_t i = 0; i < n; i++) ids[n + i] = ids[i] + half;
+    return 2 * n;
+}
+
 /* sf_predict's ids mapped through slot_of ([inter]: the slot of each neuron in bundles, < 0 for one computed
  * elsewhere, as a hybrid engine's device neurons are), then sf_sparse_mlp over those slots: one call per layer, so
- * nothing runs between the predictor and the MLP. ids: [inter] scratch; *predictor_seconds += the predictor's time
- * (with the slot mapping). Returns the number of neurons computed, or -1 when sf_sparse_mlp could not allocate. */
+ * nothing runs between the predictor and the MLP. inter: the predictor's outputs; pairs: they score pairs of tied
+ * halves, inter of them, each standing for neurons j and inter + j (slot_of then has 2 inter entries). ids: [2 inter
+ * if pairs, else inter] scratch; *predictor_seconds += the predictor's time (with the slot mapping). Returns the number
+ * of neurons computed, or -1 when sf_sparse_mlp could not allocate. */
 int64_t sf_predict_mlp(const void *fc1, const float *s1, const void *fc2t, const float *s2, int p_dtype, int64_t rank, int64_t inter,
-                       const float *resid, float p_threshold, const int64_t *slot_of, int64_t *ids, float *p_scratch,
+                       int pairs, const float *resid, float p_threshold, const int64_t *slot_of, int64_t *ids, float *p_scratch,
                        const void *bundles, const float *scales, const float *channels, int dtype, int64_t hidden, const float *x, int act,
                        float threshold, float out_scale, float *y, int64_t *counts, double *predictor_seconds, int nthreads) {
     double t0 = seconds_now();
     int64_t n = sf_predict(fc1, s1, fc2t, s2, p_dtype, rank, hidden, inter, resid, p_threshold, ids, p_scratch, nthreads), m = 0;
+    if (pairs) n = pair_neurons(ids, n, inter);
     for (int64_t i = 0; i < n; i++)
         if (slot_of[ids[i]] >= 0) ids[m++] = slot_of[ids[i]];
     *predictor_seconds += seconds_now() - t0;
@@ -1202,7 +1212,8 @@ typedef struct {
     const float *su_s, *su_r, *su_n;
     double *sg_scratch; /* the screen's gate bounds and flags (UnitScreen.scratch) */
     int64_t sg_tied;    /* the screen's tables are of tied halves (sf_mlp_screen) */
-    int64_t b_tied;     /* every neuron, of tied halves at slot = neuron: sf_sparse_mlp over the inter / 2 pairs (ids 0..) */
+    int64_t b_tied;     /* tied halves at slot = neuron, computed a pair at a time: every pair (ids 0..), or the predicted pairs */
+    int64_t p_pairs;    /* the predictor scores pairs of tied halves (inter / 2 outputs; pair j: neurons j and inter / 2 + j) */
 } sf_layer;
 
 static double seconds_now(void) {
@@ -1236,19 +1247,21 @@ int sf_decode_layers(const sf_layer *layers, int64_t n_layers, float *x, float *
         } else {
             int64_t n = L->inter;
             if (L->fc1) {
-                n = sf_predict(L->fc1, L->s1, L->fc2t, L->s2, (int)L->p_dtype, L->rank, hidden, L->inter, x, L->p_threshold, L->ids,
-                               L->p_scratch, nthreads);
+                n = sf_predict(L->fc1, L->s1, L->fc2t, L->s2, (int)L->p_dtype, L->rank, hidden, L->p_pairs ? L->inter / 2 : L->inter, x,
+                               L->p_threshold, L->ids, L->p_scratch, nthreads);
+                if (L->p_pairs && !L->b_tied) n = pair_neurons(L->ids, n, L->inter / 2);  /* halves not tied in memory: each one */
                 t2 = seconds_now();
             } else if (L->sg_q) {
                 n = sf_mlp_screen(L->sg_q, L->sg_s, L->sg_r, L->sg_n, L->su_q, L->su_s, L->su_r, L->su_n, L->inter, hidden, xn, (int)L->act,
                                   L->act_threshold, L->ids, stats + 2, L->sg_scratch, (int)L->sg_tied, nthreads);
                 t2 = seconds_now();
             }
-            const int64_t tied = L->b_tied ? n / 2 : 0;  /* every pair of tied halves: ids 0 .. n/2 - 1 */
-            if (sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, tied ? tied : n, tied, xn, (int)L->act,
+            /* tied: the predicted pairs (n of them), or every pair (ids 0 .. inter/2 - 1) */
+            const int64_t count = L->b_tied && !L->fc1 ? n / 2 : n, offset = L->b_tied ? L->inter / 2 : 0;
+            if (sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, count, offset, xn, (int)L->act,
                               L->act_threshold, 1.0f, x, counts, nthreads))
                 return -1;
-            stats[0] += n;
+            stats[0] += L->b_tied ? 2 * count : n;
         }
         double t3 = seconds_now();
         seconds[0] += t1 - t0, seconds[1] += t2 - t1, seconds[2] += t3 - t2;

@@ -1,0 +1,162 @@
+"""Pair predictors for checkpoints of tied neuron halves: one score per pair (neurons j and I/2 + j), trained on the
+pairs with a half that fires; every mask marks both halves of a predicted pair, and the runtime computes such a pair
+from its one gate and one up row, giving the logits of the HF model under that mask on every path."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import decode_path, random_windows, tiny_model, tiny_tokenizer, word_documents
+
+from sparseforge.checkpoint import save_sparse
+from sparseforge.cli import main
+from sparseforge.predictors.collect import collect_pairs
+from sparseforge.predictors.mask import masked_mlps
+from sparseforge.predictors.store import load_predictors
+from sparseforge.runtime import kernels
+from sparseforge.runtime.engine import Engine
+from sparseforge.sparsify.convert import convert_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NATIVE = kernels.native() is not None
+
+
+def _tied(path, threshold: float = 0.01):
+    """A tiny llama of tied halves (I = 256: pairs j and 128 + j), thresholded so that a pair's product can zero both."""
+    model = convert_model(tiny_model("llama"), "drelu", halves=True)
+    if threshold:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.activation.threshold = threshold
+        model.config.sparsity["thresholds"] = [threshold] * len(model.model.layers)
+    save_sparse(model, tiny_tokenizer(), path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(checkpoint with pair predictors trained through the CLI to recall 0.8, so that their mask changes the output; its
+    HF model; the CLI's data arguments)."""
+    root = tmp_path_factory.mktemp("pairs")
+    text = word_documents(root / "text.jsonl.gz", 300, numbered=True)
+    model = _tied(root / "ckpt")
+    data = ["--data", str(text), "--seq-len", "32", "--no-progress"]
+    assert main(["profile", str(root / "ckpt"), "--tokens", "256", "--coact-tokens", "64", "--block-size", "16", *data]) == 0
+    assert main(["predictors", "train", str(root / "ckpt"), "--tokens", "1024", "--heldout-tokens", "256", "--budget", "0.5", "--target-recall", "0.8",
+                 "--recall-margin", "0", "--max-epochs", "3", "--pilot-rank", "16", "--pilot-epochs", "1", "--min-rank", "8", *data]) == 0  # fmt: skip
+    return root / "ckpt", model, data
+
+
+def test_pairs_are_collected_as_the_union_of_their_halves():
+    model = convert_model(tiny_model("llama"), "drelu", halves=True)
+    windows = random_windows(8, 32)
+    halves = collect_pairs(model, iter(windows), 128, 128, 128, 128, progress=False)
+    pairs = collect_pairs(model, iter(windows), 128, 128, 128, 128, progress=False, pairs=True)
+    for part in ("train", "heldout"):
+        for a, b in zip(getattr(halves, part), getattr(pairs, part)):
+            m, p = a[0].masks(), b[0].masks()
+            assert b[0].width == 128 and torch.equal(p, m[:, :128] | m[:, 128:])
+            assert 0 < p.float().mean() < 1
+
+
+def test_trained_pair_predictors_score_pairs_and_mask_both_halves(trained, tmp_path, capsys):
+    ckpt, _, data = trained
+    ckpt = Path(shutil.copytree(ckpt, tmp_path / "ckpt"))  # eval and calibrate rewrite predictors.json
+    report = json.loads((ckpt / "predictors.json").read_text())
+    assert report["pairs"] is True and report["intermediate_size"] == 256
+    assert report["heldout"]["recall"] >= report["calibration_recall"]  # pairs' recall on the held-out rows
+    predictors = load_predictors(ckpt)
+    assert predictors.pairs and all(p.fc2.weight.shape[0] == 128 for p in predictors.predictors.values())
+    x = torch.randn(5, 64)
+    keep = predictors.predict(0, 0, x)
+    assert keep.shape == (5, 256) and torch.equal(keep[:, :128], keep[:, 128:]) and 0 < keep.float().mean() < 1
+    assert main(["predictors", "eval", str(ckpt), "--tokens", "256", *data]) == 0
+    ev = json.loads((ckpt / "predictors.json").read_text())["eval"]
+    assert ev["overall"]["recall"] > 0.7 and ev["overall"]["predicted_fraction"] < 1  # neurons: both halves of each pair
+    assert main(["predictors", "calibrate", str(ckpt), "--target-recall", "0.6", "--recall-margin", "0", "--no-progress"]) == 0
+    low = json.loads((ckpt / "predictors.json").read_text())
+    assert low["pairs"] is True and low["heldout"]["predicted_fraction"] < report["heldout"]["predicted_fraction"]
+    capsys.readouterr()
+
+
+def test_powerinfer_gets_a_pairs_row_for_both_halves_and_per_neuron_trains_halves(tmp_path, trained, capsys):
+    _, _, data = trained
+    plain = tmp_path / "plain"
+    save_sparse(convert_model(tiny_model("llama"), "drelu"), tiny_tokenizer(), plain)
+    assert main(["predictors", "train", str(plain), "--per", "pair", "--tokens", "256", *data]) == 2
+    assert "--per pair needs a checkpoint of tied neuron halves" in capsys.readouterr().err
+    halves = tmp_path / "halves"
+    _tied(halves, threshold=0.0)  # PowerInfer computes plain dReLU: no thresholds
+    fit = ["--tokens", "512", "--heldout-tokens", "256", "--budget", "0.5", "--max-epochs", "1", "--pilot-rank", "16", "--min-rank", "8", *data]
+    assert main(["profile", str(halves), "--tokens", "256", "--coact-tokens", "64", "--block-size", "16", *data]) == 0
+    assert main(["predictors", "train", str(halves), *fit]) == 0
+    assert main(["export", str(halves), "--format", "powerinfer", "--out", str(tmp_path / "powerinfer")]) == 0
+    fc2 = torch.load(tmp_path / "powerinfer" / "predictor" / "model_0.pt")["fc2.weight"]
+    assert fc2.shape[0] == 256 and torch.equal(fc2[:128], fc2[128:])  # PowerInfer scores neurons: a pair's row for both
+    assert main(["predictors", "train", str(halves), "--per", "neuron", *fit]) == 0
+    assert json.loads((halves / "predictors.json").read_text())["pairs"] is False
+    assert load_predictors(halves).predictors[(0, 0)].fc2.weight.shape[0] == 256
+
+
+def _decode(engine, ids):
+    cache = engine.new_cache(ids.shape[0])
+    engine.forward(ids[:, :3], cache)
+    engine.reset_stats()
+    return torch.cat([engine.forward(ids[:, t : t + 1], cache) for t in range(3, ids.shape[1])], dim=1), engine.stats()
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "int8"])
+def test_the_runtime_computes_predicted_pairs_a_pair_at_a_time_as_hf_under_the_mask(trained, weight_dtype):
+    """Decode in the one-call step, layer by layer and with the halves untied (each half alone), and prefill several
+    rows: the same logits (float32: HF's under the pair mask), the tied paths reading fewer bytes."""
+    ckpt, model, _ = trained
+    ids = torch.tensor(random_windows(1, 10, seed=4))
+    with torch.no_grad(), masked_mlps(model, "predicted", load_predictors(ckpt)):
+        ref = model(ids).logits
+    with torch.no_grad():
+        assert not torch.allclose(model(ids).logits, ref, atol=1e-4)  # the mask changes the output
+    runs = {}
+    for name in ("tied", "layer by layer", "untied", "pytorch"):
+        if name == "pytorch" and weight_dtype == "int8":
+            continue
+        if name != "pytorch" and not NATIVE:
+            continue
+        engine = Engine.load(ckpt, mode="sparse", weight_dtype=weight_dtype, context=32, progress=False, native=name != "pytorch")
+        if name != "pytorch":
+            decode_path(engine, name)
+        runs[name] = _decode(engine, ids)
+        prefill = engine.forward(ids, engine.new_cache(1))
+        if weight_dtype == "float32":
+            torch.testing.assert_close(runs[name][0], ref[:, 3:], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(prefill, ref, atol=2e-5, rtol=1e-4)
+    if NATIVE:
+        (tied, a), (layered, b), (untied, c) = runs["tied"], runs["layer by layer"], runs["untied"]
+        torch.testing.assert_close(tied, untied, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layered, untied, atol=1e-5, rtol=1e-5)
+        for s in (a, b):
+            assert s["decode_neurons_computed_fraction"] == pytest.approx(c["decode_neurons_computed_fraction"])
+            assert s["bytes_touched_per_decode_token"] < c["bytes_touched_per_decode_token"]
+        assert 0 < a["decode_neurons_computed_fraction"] < 1
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernels did not build")
+def test_the_fused_predictor_and_mlp_call_takes_both_halves_of_each_predicted_pair(trained):
+    """sf_predict_mlp (a hybrid engine's CPU part) with a pair predictor: the sum over both halves of the pairs the
+    predictor gives, bit for bit the predictor's pairs expanded and then the sparse kernel over those neurons."""
+    ckpt, _, _ = trained
+    engine = Engine.load(ckpt, mode="sparse", context=32, progress=False)
+    unit, p, act = engine.model.weights.layers[0].units[0], engine.model.predictors[(0, 0)], engine.model.activations[0]
+    I = unit.intermediate
+    g = torch.Generator().manual_seed(0)
+    resid, xn = torch.randn(64, generator=g), torch.randn(64, generator=g)
+    ids, scratch, counts = torch.empty(I, dtype=torch.long), torch.empty(p.fc1[0].shape[0] + I), torch.zeros(3, dtype=torch.long)
+    y = torch.zeros(64)
+    n = kernels.predict_mlp_native(p.fc1, p.fc2t, p.threshold, resid, torch.arange(I), ids, scratch, unit.bundles, unit.scales, unit.channels, xn,
+                                   act, y, 1.0, counts, kernels.ctypes.c_double(), 1, pairs=True)  # fmt: skip
+    pairs = kernels.predict_native(p.fc1, p.fc2t, p.threshold, resid, torch.empty(I, dtype=torch.long), torch.empty(p.fc1[0].shape[0] + I), 1)
+    neurons = p.neurons(pairs, I)
+    want = torch.zeros(64)
+    kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, neurons, xn, act, want, 1.0, torch.zeros(3, dtype=torch.long), 1)
+    assert n == neurons.numel() == 2 * pairs.numel() > 0 and torch.equal(y, want)
