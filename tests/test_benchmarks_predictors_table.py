@@ -15,6 +15,7 @@ def _copy(path, pairs: bool, sparse: float, oracle: float, predicted: float):
              "predicted": {"perplexity": 20.2}, "oracle": {"perplexity": 20.0}}  # fmt: skip
     predictors = {"pairs": pairs, "units": units, "params_fraction": 0.1, "target_recall": 0.995, "curve": {"knee": 0.99}, "eval": fresh}
     rows = [{"task": "piqa", "metric": "acc", "n": 100, "mean": True, "values": {"oracle": {"value": oracle}, "sparse": {"value": sparse}}},
+            {"task": "piqa", "metric": "acc_norm", "n": 100, "mean": True, "values": {"oracle": {"value": 0.9}, "sparse": {"value": 0.1}}},
             {"task": "wikitext", "metric": "word_perplexity", "n": 5, "mean": False, "values": {"oracle": {"value": 30.0}, "sparse": {"value": 31.0}}}]
     (path / "predictors.json").write_text(json.dumps(predictors))
     (path / "eval.json").write_text(json.dumps({"configs": {"oracle": {}, "sparse": {}}, "rows": rows}))
@@ -26,7 +27,8 @@ def test_rows_give_the_predictors_rates_and_accuracy_against_the_exact_masks(tmp
     a, b = _copy(tmp_path / "pairs", True, 0.60, 0.62, 0.5), _copy(tmp_path / "neurons", False, 0.61, 0.62, 0.7)
     cells = [table.table_row(table.load_row(n, p)) for n, p in (("pairs", a), ("neurons", b))]
     assert cells[0]["per"] == "pair" and cells[1]["per"] == "neuron" and cells[0]["rank"] == 48 and cells[0]["knee"] == 0.99
-    assert cells[0]["piqa:acc:delta"] == pytest.approx(-0.02) and cells[0]["mean"] == 0.60 and "wikitext:word_perplexity" not in cells[0]
+    assert cells[0]["piqa:acc:delta"] == pytest.approx(-0.02) and cells[0]["piqa:acc_norm:delta"] == pytest.approx(-0.8)
+    assert cells[0]["mean"] == 0.60 and "wikitext:word_perplexity" not in cells[0]  # the first metric of each task
     assert cells[0]["ppl_vs_exact"] == pytest.approx(0.01) and cells[1]["predicted"] == 0.7
     assert table.main(["--row", "pairs", str(a), "--row", "neurons", str(b), "--out", "x"]) == 0
 
