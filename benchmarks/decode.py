@@ -42,6 +42,7 @@ from powerinfer_run import POWERINFER_TYPES, PowerInfer, parse_powerinfer_log, p
 
 from sparseforge.data import pretrain_prompt  # noqa: E402
 from sparseforge.errors import SparseforgeError  # noqa: E402
+from sparseforge.runtime.sizes import KV_DTYPE_CHOICES  # noqa: E402
 from sparseforge.runtime.weights import WEIGHT_DTYPES  # noqa: E402
 
 PRECISIONS = {"fp32": ("float32", torch.float32, ("F32",)), "fp16": ("float16", torch.bfloat16, ("F16",)), "int8": ("int8", None, ("Q4_0", "Q4_1"))}
@@ -234,22 +235,21 @@ def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list
     position = args.prompt_tokens + args.new_tokens // 2
     context = args.prompt_tokens + args.new_tokens + 8
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=0) if args.temperature > 0 else None
-    kv = dict(kv_dtype=args.kv_dtype)
     out = []
     for prec in args.precisions:
         dtype, hf_dtype, gguf_types = PRECISIONS[prec]
         for mode in [m for m in args.modes if dtype != "int8" or m != "screen"]:  # int8: no screen
             out.append((prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, args.head != "full",
-                                          sampling, **kv)))
+                                          sampling, args.kv_dtype)))
         if args.reference:  # the original's shape read densely, in the same alternation
-            out.append((prec, ref := Sparseforge(Path(args.reference), "dense", dtype, context, args.threads, None, args.head != "full", sampling, **kv)))
+            out.append((prec, ref := Sparseforge(Path(args.reference), "dense", dtype, context, args.threads, None, args.head != "full", sampling, args.kv_dtype)))
             ref.name, ref.mode = f"sparseforge dense, {_label(Path(args.reference))} (reference)", "reference"
         for path, mode in also_engines(args.also):  # another checkpoint's engines, in the same alternation
             if dtype != "int8" or mode != "screen":
-                out.append((prec, other := Sparseforge(path, mode, dtype, context, args.threads, None, args.head != "full", sampling, **kv)))
+                out.append((prec, other := Sparseforge(path, mode, dtype, context, args.threads, None, args.head != "full", sampling, args.kv_dtype)))
                 other.name, other.mode = f"{other.name}, {_label(path)} (also)", "also"
         if args.head == "both" and dtype != "int8":  # int8 heads have no screen
-            out += [(prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, False, sampling, **kv))
+            out += [(prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, False, sampling, args.kv_dtype))
                     for mode in ("sparse", "dense") if mode in args.modes]  # fmt: skip
         if hf_dtype is not None and not args.no_hf:
             elem = 4 if hf_dtype == torch.float32 else 2
@@ -297,7 +297,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3, help="repetitions (engines alternate inside each)")
     p.add_argument("--predictor-dtype", choices=list(WEIGHT_DTYPES), default=None,
                    help="dtype of the sparse rows' predictors (default: each row's weight dtype)")
-    p.add_argument("--kv-dtype", choices=("float32", "float16"), default="float32", help="the sparseforge engines' KV cache dtype")
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="float32", help="the sparseforge engines' KV cache dtype")
     p.add_argument("--head", choices=("screen", "full", "both"), default="screen",
                    help="sparseforge's decode steps: through the lm_head's int8 screen (same tokens, runtime/head.py), reading the "
                    "whole head, or both (extra sparse and dense rows marked '(full head)')")  # fmt: skip

@@ -25,10 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import OUT_HELP, markdown_table, median, setup, write_results  # noqa: E402
 
+from sparseforge.runtime.sizes import KV_DTYPE_CHOICES  # noqa: E402
+
 PARTS = ("tok_s", "sf_attention_decode", "lm_head", "predict_native", "sparse_mlp_native")
-
-
-KV = ("float32", "float16")
 
 
 def parse_run(text: str) -> tuple[str, str, str]:
@@ -37,9 +36,9 @@ def parse_run(text: str) -> tuple[str, str, str]:
     from kernels import DTYPES
 
     mode, dtype, kv = (text.split(":") + ["float32"])[:3] if text.count(":") in (1, 2) else ("", "", "")
-    if mode not in ("dense", "oracle", "sparse", "screen") or dtype not in DTYPES or kv not in KV:
+    if mode not in ("dense", "oracle", "sparse", "screen") or dtype not in DTYPES or kv not in KV_DTYPE_CHOICES:
         raise argparse.ArgumentTypeError(f"--runs {text!r}: expected MODE:DTYPE[:KV], MODE one of dense, oracle, sparse, screen, DTYPE one of "
-                                         f"{', '.join(DTYPES)} and KV one of {', '.join(KV)}")  # fmt: skip
+                                         f"{', '.join(DTYPES)} and KV one of {', '.join(KV_DTYPE_CHOICES)}")  # fmt: skip
     return mode, dtype, kv
 
 

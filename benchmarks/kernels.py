@@ -24,6 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_CKPT, markdown_table, median, OUT_HELP, setup, write_results  # noqa: E402
 
+from sparseforge.runtime.sizes import KV_DTYPE_CHOICES  # noqa: E402
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
 
 
@@ -123,7 +125,7 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["dense", "oracle", "sparse"], help="engine modes for the breakdown")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="weight dtypes")
     p.add_argument("--full-head", action="store_true", help="greedy steps read the whole lm_head (no int8 screen)")
-    p.add_argument("--kv-dtypes", nargs="+", default=["float32"], choices=("float32", "float16"), help="KV cache dtypes of the breakdown's engines")
+    p.add_argument("--kv-dtypes", nargs="+", default=["float32"], choices=KV_DTYPE_CHOICES, help="KV cache dtypes of the breakdown's engines")
     p.add_argument("--out", default=None, help=f"{OUT_HELP} (default kernels-t<threads>)")
     args = p.parse_args()
     from sparseforge.runtime import kernels

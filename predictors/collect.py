@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from sparseforge.families import num_experts
 from sparseforge.hooks import hook_mlps, run_layers
+from sparseforge.predictors.model import either_half
 from sparseforge.sparsify.measure import batches, take_tokens
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
@@ -139,9 +140,7 @@ def collect_pairs(
 
         def fn(call, target=target):
             fired = call.h != 0
-            if pairs:
-                fired = fired[:, : fired.shape[1] // 2] | fired[:, fired.shape[1] // 2 :]
-            target[call.layer][call.expert].offer(call.x, fired)
+            target[call.layer][call.expert].offer(call.x, either_half(fired) if pairs else fired)
 
         seen = 0
         with hook_mlps(model, fn, inputs=True), torch.inference_mode(), tqdm(total=tokens, unit="tok", desc=f"collect {part}", disable=not progress) as bar:

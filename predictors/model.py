@@ -30,6 +30,17 @@ class LowRankPredictor(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+def either_half(mask: torch.Tensor) -> torch.Tensor:
+    """A mask [..., I] of tied halves -> [..., I/2]: the pairs (neurons j and I/2 + j) with a half marked."""
+    half = mask.shape[-1] // 2
+    return mask[..., :half] | mask[..., half:]
+
+
+def both_halves(pairs: torch.Tensor) -> torch.Tensor:
+    """A mask [..., I/2] of pairs of tied halves -> [..., I]: both halves of each marked pair."""
+    return torch.cat([pairs, pairs], dim=-1)
+
+
 def predictor_params(hidden: int, width: int, rank: int) -> int:
     """Parameters of one predictor: rank * (H + I)."""
     return rank * (hidden + width)

@@ -17,7 +17,7 @@ import torch
 
 from sparseforge.files import damaged, remedy, require_file
 from sparseforge.predictors.fit import FittedUnit
-from sparseforge.predictors.model import LowRankPredictor
+from sparseforge.predictors.model import LowRankPredictor, both_halves
 from sparseforge.predictors.tensorfile import load_pair, save_pair
 
 PREDICTORS_FORMAT_VERSION = 1
@@ -46,7 +46,7 @@ class PredictorSet:
         if model is None:
             return torch.ones(x.shape[0], self.report["intermediate_size"], dtype=torch.bool, device=x.device)
         keep = model(x.to(model.fc1.weight.dtype)) >= self.thresholds[(layer, expert)]
-        return torch.cat([keep, keep], dim=-1) if self.pairs else keep
+        return both_halves(keep) if self.pairs else keep
 
     def to(self, device) -> "PredictorSet":
         for model in self.predictors.values():

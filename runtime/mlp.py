@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from sparseforge.predictors.model import either_half
 from sparseforge.runtime import kernels
 from sparseforge.runtime.forward import route
 from sparseforge.runtime.meter import Meter
@@ -82,21 +83,16 @@ class SparseMLP:
         if p is not None and unit.fixed_slots is not None:
             self._predict_mlp_row(layer, expert, p, unit, xn, resid, scale, y)
             return
-        pairs = None  # pairs of tied halves to compute a pair at a time
+        act, threads, counts = self.model.activations[layer], self.model.threads, self.meter.rows_read
         if p is not None:
             neurons = self._predict_row(layer, expert, p, resid, I)
-            if p.pairs and unit.tied:
-                pairs, neurons = neurons, None
-            elif p.pairs:
-                neurons = p.neurons(neurons, I)
+            if p.pairs and unit.tied:  # the predicted pairs of a resident unit of tied halves
+                return self._tied_row(unit, neurons, xn, act, y, scale)
+            neurons = p.neurons(neurons, I)
         elif mode == "screen":
             neurons = self._screen_row(layer, expert, xn)
-        act, threads, counts = self.model.activations[layer], self.model.threads, self.meter.rows_read
-        if neurons is None and unit.tied:  # every neuron (or the predicted pairs) of a resident unit of tied halves: a pair at a time
-            pairs = self._all_neurons(I // 2) if pairs is None else pairs
-            kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, pairs, xn, act, y, scale, counts, threads, tied=True)
-            self.meter.native_mlp(2 * pairs.numel(), I, row_bytes(unit))
-            return
+        elif unit.tied:  # every pair of a resident unit of tied halves
+            return self._tied_row(unit, self._all_neurons(I // 2), xn, act, y, scale)
         neurons = self._computed(unit, neurons)
         for chunk in unit.order(neurons).split(unit.capacity) if neurons.numel() > unit.capacity else (neurons,):
             req = unit.request(chunk)
@@ -106,6 +102,12 @@ class SparseMLP:
                 kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, slots, xn, act, y, scale, counts, threads)
             req.release()
         self.meter.native_mlp(neurons.numel(), _width(unit), row_bytes(unit))
+
+    def _tied_row(self, unit, pairs: torch.Tensor, xn: torch.Tensor, act, y: torch.Tensor, scale: float) -> None:
+        """y += scale * MLP(xn) over both halves of `pairs` (ascending, < I/2) of a resident unit of tied halves, from one
+        gate and one up row each."""
+        kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, pairs, xn, act, y, scale, self.meter.rows_read, self.model.threads, tied=True)
+        self.meter.native_mlp(2 * pairs.numel(), unit.intermediate, row_bytes(unit))
 
     def _predict_mlp_row(self, layer: int, expert: int, p, unit, xn: torch.Tensor, resid: torch.Tensor, scale: float, y: torch.Tensor) -> None:
         """_native_row's sparse mode with predictor p for a unit whose neurons have fixed slots (a hybrid engine's CPU
@@ -176,7 +178,7 @@ class SparseMLP:
     def _tied_rows(self, layer: int, unit, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         """_rows over a resident unit of tied halves: the pairs with a chosen half, one gate and one up product each."""
         half = unit.intermediate // 2
-        pairs = self._all_neurons(half) if keep is None else (keep[:, :half] | keep[:, half:]).any(0).nonzero().flatten()
+        pairs = self._all_neurons(half) if keep is None else either_half(keep).any(0).nonzero().flatten()
         y, h = kernels.tied_mlp_torch(unit.bundles, unit.scales, unit.channels, pairs, x, self.model.activations[layer],
                                       None if keep is None else torch.cat([keep[:, pairs], keep[:, pairs + half]], dim=1))  # fmt: skip
         computed = int(keep.sum()) if keep is not None else x.shape[0] * unit.intermediate

@@ -27,9 +27,10 @@ import torch
 from sparseforge.errors import SparseforgeError
 from sparseforge.files import damaged, read_json
 from sparseforge.runtime import kernels
-from sparseforge.runtime.forward import KV_DTYPES, AttentionShape, attention_shape, rope_tables
+from sparseforge.runtime.forward import AttentionShape, attention_shape, rope_tables
 from sparseforge.runtime.head import FLOAT_DTYPES, HeadScreen, screen_bytes
 from sparseforge.runtime.screen import SCREENED, load_screens, screens_nbytes
+from sparseforge.runtime.sizes import check_kv_dtype
 from sparseforge.runtime.weights import ModelWeights, WeightReader, load_unit_predictors, load_weights, predictors_nbytes
 from sparseforge.sparsify.hf_code.modeling_sparseforge import GatedActivation
 
@@ -113,8 +114,7 @@ def load_model(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float3
         raise SparseforgeError(f"unknown mode {mode!r}; use one of {', '.join((AUTO, *MODES))}")
     if context < 1:
         raise SparseforgeError(f"context={context} must be at least 1 token")
-    if kv_dtype not in KV_DTYPES:
-        raise SparseforgeError(f"unknown KV cache dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
+    check_kv_dtype(kv_dtype)
     if threads is not None:
         if threads < 1:
             raise SparseforgeError(f"threads={threads} must be at least 1")

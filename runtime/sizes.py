@@ -76,11 +76,15 @@ def neuron_bytes(hidden: int, dtype: str) -> int:
     return 3 * hidden * ELEMENT_BYTES[dtype]
 
 
+def check_kv_dtype(kv_dtype: str) -> None:
+    if kv_dtype not in KV_DTYPE_CHOICES:
+        raise SparseforgeError(f"unknown KV cache dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPE_CHOICES)}")
+
+
 def kv_cache_bytes(shape: "ModelShape", context: int, kv_dtype: str = "float32") -> int:
     """2 (K and V) x layers x kv_heads x head_dim x context x bytes of the engine's cache dtype (float32 or float16,
     whatever the weights' dtype)."""
-    if kv_dtype not in KV_DTYPE_CHOICES:
-        raise SparseforgeError(f"unknown KV cache dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPE_CHOICES)}")
+    check_kv_dtype(kv_dtype)
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * context * ELEMENT_BYTES[kv_dtype]
 
 

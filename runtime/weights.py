@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from sparseforge.errors import SparseforgeError
 from sparseforge.files import open_safetensors, remedy
+from sparseforge.predictors.model import both_halves
 from sparseforge.runtime import kernels
 from sparseforge.runtime.units import MLPUnit, ResidentUnit, convert_bundles, make_bundles, quantize_rows
 
@@ -222,7 +223,7 @@ class UnitPredictor:
 
     def mask(self, keep: torch.Tensor) -> torch.Tensor:
         """A predicted mask [N, I or I/2] -> [N, I]: both halves of each predicted pair."""
-        return torch.cat([keep, keep], dim=-1) if self.pairs else keep
+        return both_halves(keep) if self.pairs else keep
 
     @property
     def nbytes(self) -> int:
