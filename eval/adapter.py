@@ -38,10 +38,29 @@ BACKENDS = ("runtime", "hf")
 Request = tuple[tuple[str, str] | None, list[int], list[int]]  # (strings, context ids, continuation ids)
 
 
+def check_engine_options(backend: str, weight_dtype: str, predictor_dtype: str | None, kv_dtype: str) -> None:
+    """Refuse, before any scoring, engine options that `load_engine` could not honour."""
+    from sparseforge.runtime.sizes import DTYPES, check_kv_dtype
+
+    if backend not in BACKENDS:
+        raise SparseforgeError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    for name, value in (("weight_dtype", weight_dtype), ("predictor_dtype", predictor_dtype)):
+        if value is not None and value not in DTYPES:
+            raise SparseforgeError(f"unknown {name} {value!r}; use one of {', '.join(DTYPES)}")
+    check_kv_dtype(kv_dtype)
+    if backend == "hf" and predictor_dtype:
+        raise SparseforgeError(f"predictor_dtype={predictor_dtype} needs backend=runtime (the hf backend runs the stored float32 predictors)")
+    if backend == "hf" and weight_dtype == "int8":
+        raise SparseforgeError("weight_dtype=int8 needs backend=runtime (the hf backend runs float weights)")
+    if backend == "hf" and kv_dtype != "float32":
+        raise SparseforgeError(f"kv_dtype={kv_dtype} needs backend=runtime (the hf backend keeps transformers' own cache)")
+
+
 def load_engine(pretrained: str, mode: str, backend: str, weight_dtype: str, context: int, threads: int | None, progress: bool,
                 predictor_dtype: str | None = None, kv_dtype: str = "float32"):
     """An engine for `pretrained` in `mode`: the sparse runtime ("runtime") or transformers ("hf", which runs
     the stored float32 predictors and keeps its own cache: predictor_dtype must be None, kv_dtype float32)."""
+    check_engine_options(backend, weight_dtype, predictor_dtype, kv_dtype)
     if backend == "runtime":
         try:
             from sparseforge.runtime.engine import Engine
@@ -49,17 +68,11 @@ def load_engine(pretrained: str, mode: str, backend: str, weight_dtype: str, con
             raise SparseforgeError(f"the sparse runtime engine is not available ({e}); pass backend=hf to score through transformers") from None
         return Engine.load(pretrained, mode=mode, weight_dtype=weight_dtype, context=context, threads=threads, progress=progress,
                            predictor_dtype=predictor_dtype, kv_dtype=kv_dtype)
-    if backend == "hf":
-        from sparseforge.eval.hf_engine import HFEngine
+    from sparseforge.eval.hf_engine import HFEngine
 
-        if predictor_dtype:
-            raise SparseforgeError(f"predictor_dtype={predictor_dtype} needs backend=runtime (the hf backend runs the stored float32 predictors)")
-        if kv_dtype != "float32":
-            raise SparseforgeError(f"kv_dtype={kv_dtype} needs backend=runtime (the hf backend keeps transformers' own cache)")
-        if threads:
-            torch.set_num_threads(threads)
-        return HFEngine.load(pretrained, mode=mode, weight_dtype=weight_dtype, context=context)
-    raise SparseforgeError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if threads:
+        torch.set_num_threads(threads)
+    return HFEngine.load(pretrained, mode=mode, weight_dtype=weight_dtype, context=context)
 
 
 def _score(logits: torch.Tensor, targets: list[int]) -> tuple[float, bool]:

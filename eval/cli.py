@@ -5,6 +5,7 @@ import json
 
 from sparseforge.cli_options import HelpFormatter
 from sparseforge.data import DATA_ENV, DEFAULT_DATA_ROOT
+from sparseforge.runtime.sizes import DTYPES, KV_DTYPE_CHOICES
 
 
 def register(subparsers) -> None:
@@ -76,6 +77,10 @@ def _register_eval(subparsers) -> None:
     p.add_argument("--original", default=None, help="model spec of the dense original (default: the one the checkpoint records)")
     p.add_argument("--backend", choices=("runtime", "hf"), default="runtime",
                    help="engine for the oracle/sparse rows: the sparse runtime, or transformers with masked MLPs")  # fmt: skip
+    p.add_argument("--weight-dtype", choices=DTYPES, default="float32",
+                   help="weight dtype of the oracle and sparse rows, as `generate --weight-dtype` runs them (the original row stays float32)")  # fmt: skip
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="float32",
+                   help="KV cache dtype of the oracle and sparse rows (runtime backend only), as `generate --kv-dtype` runs them")  # fmt: skip
     p.add_argument("--context", type=int, default=2048, help="tokens of context (longer requests are left-truncated, as lm-eval does)")
     p.add_argument("--data-root", default=None, help=f"data folder holding eval/ (default: ${DATA_ENV}, else {DEFAULT_DATA_ROOT})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -91,7 +96,7 @@ def eval_command(args) -> int:
     report = run_eval(
         args.ckpt, tasks, limit=limit, task_limits=task_limits, batch_size=args.batch_size, threads=args.threads, original=args.original,
         configs=configs, backend=args.backend, data_root=args.data_root, context=args.context, progress=not args.no_progress,
-        include_paths=args.include_path,
+        include_paths=args.include_path, weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
     )  # fmt: skip
     print(markdown(report))
     print(f"wrote {args.ckpt}/eval.json")

@@ -142,7 +142,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-PARTS_DIR = "eval-parts"  # CKPT/eval-parts/<config>.<task>.json: one scored (configuration, task), reused on re-runs
+PARTS_DIR = "eval-parts"  # CKPT/eval-parts/<part_stem>.<task>.json: one scored (configuration, task), reused on re-runs
 
 
 def _file_digests(paths: list[Path]) -> list:
@@ -161,16 +161,17 @@ def _config_digest(path: Path) -> str:
 
 
 def part_key(ckpt: Path, config: str, task: str, limit, context: int, backend: str, original: str | None,
-             source: dict | None = None) -> dict:  # fmt: skip
+             source: dict | None = None, weight_dtype: str = "float32", kv_dtype: str = "float32") -> dict:  # fmt: skip
     """What a part's scores depend on: the task and its sample (a user task's YAML and data: `source`,
     task_names.task_source), the context, and the computation scored: weight files by content, config.json without
-    provenance and, for the sparse row, the predictor weights and thresholds (not the rest of predictors.json, which
-    `predictors eval` rewrites without changing a mask)."""
+    provenance, the weight and KV cache dtypes where they are not float32, and, for the sparse row, the predictor
+    weights and thresholds (not the rest of predictors.json, which `predictors eval` rewrites without changing a mask)."""
     if config == "original":
         model = {"spec": original}
     else:
         files = sorted(ckpt.glob("model*.safetensors"))
         model = {"backend": backend, "config": _config_digest(ckpt / "config.json")}
+        model.update({k: v for k, v in (("weight_dtype", weight_dtype), ("kv_dtype", kv_dtype)) if v != "float32"})
         if config == "sparse":
             files.append(ckpt / "predictors.safetensors")
             units = read_json(ckpt / "predictors.json").get("units", [])
@@ -253,11 +254,17 @@ def _limits_per_task(choice, limit: int | None, task_limits: dict[str, int]) -> 
     return out
 
 
-def _reusable_parts(parts_dir: Path, config: str, keys: dict[str, dict]) -> tuple[dict[str, dict], list[str]]:
-    """(parts whose key still matches, tasks to score) for one row."""
+def part_stem(config: str, weight_dtype: str = "float32", kv_dtype: str = "float32") -> str:
+    """A row's part-file prefix: its configuration, then the weight and KV dtypes that are not float32 (oracle,
+    oracle.int8, sparse.kv-float16, ...), so runs at other dtypes keep their own parts."""
+    return ".".join([config] + ([weight_dtype] if weight_dtype != "float32" else []) + ([f"kv-{kv_dtype}"] if kv_dtype != "float32" else []))
+
+
+def _reusable_parts(parts_dir: Path, stem: str, keys: dict[str, dict]) -> tuple[dict[str, dict], list[str]]:
+    """(parts whose key still matches, tasks to score) for one row (part files STEM.TASK.json)."""
     parts = {}
     for task, key in keys.items():
-        path = parts_dir / f"{config}.{task}.json"
+        path = parts_dir / f"{stem}.{task}.json"
         try:
             part = read_json(path) if path.is_file() else None
         except SparseforgeError:  # a damaged cached part is scored again
@@ -267,14 +274,15 @@ def _reusable_parts(parts_dir: Path, config: str, keys: dict[str, dict]) -> tupl
     return parts, [t for t in keys if t not in parts]
 
 
-def _row_engine(config: str, ckpt: Path, original: str, backend: str, context: int, threads: int | None, progress: bool):
+def _row_engine(config: str, ckpt: Path, original: str, backend: str, context: int, threads: int | None, progress: bool,
+                weight_dtype: str = "float32", kv_dtype: str = "float32"):  # fmt: skip
     """The engine one row is scored with: the dense original through transformers, else the checkpoint in
-    engine mode `config` (oracle, sparse)."""
+    engine mode `config` (oracle, sparse) with `weight_dtype` weights and a `kv_dtype` cache."""
     from sparseforge.eval.adapter import load_engine
     from sparseforge.eval.hf_engine import HFEngine
 
     if config != "original":
-        return load_engine(str(ckpt), config, backend, "float32", context, threads, progress)
+        return load_engine(str(ckpt), config, backend, weight_dtype, context, threads, progress, kv_dtype=kv_dtype)
     if threads:
         import torch
 
@@ -297,15 +305,18 @@ def run_eval(
     progress: bool = True,
     log=None,
     include_paths: list[str] | None = None,
+    weight_dtype: str = "float32",
+    kv_dtype: str = "float32",
 ) -> dict:
     """Score `configs` of `ckpt` on `tasks` and write CKPT/eval.json; returns the report. tasks: built-in offline
     tasks, tasks of the `include_paths` folders of lm-eval YAMLs, or lm-eval's own (eval/task_names.py). `limit`
-    documents of every task (None: all), or `task_limits[task]` for the tasks it names (parse_limits).
+    documents of every task (None: all), or `task_limits[task]` for the tasks it names (parse_limits). The
+    oracle and sparse rows run `weight_dtype` weights and a `kv_dtype` KV cache; the original row stays float32.
 
     Each (configuration, task) is written to CKPT/eval-parts/ as soon as it is scored and reused by later
     runs while its key (task, limit, context, weights) matches, so an interrupted eval loses at most the task
     it was in, and a report over more tasks or rows scores only what is new."""
-    from sparseforge.eval.adapter import SparseforgeLM
+    from sparseforge.eval.adapter import SparseforgeLM, check_engine_options
     from sparseforge.eval.harness import run_tasks
     from sparseforge.eval.task_names import choose_tasks, task_manager, task_source
     from sparseforge.eval.tasks import write_task_dir
@@ -317,6 +328,7 @@ def run_eval(
     for n in [limit, *(task_limits or {}).values()]:
         if n is not None and n < 1:
             raise SparseforgeError(f"--limit must be a positive number of documents, got {n}")
+    check_engine_options(backend, weight_dtype, None, kv_dtype)
     ckpt = Path(ckpt)
     if "sparse" in configs:
         from sparseforge.predictors.store import require_predictors
@@ -335,11 +347,12 @@ def run_eval(
         parts_dir.mkdir(exist_ok=True)
         for k, config in enumerate(configs, 1):
             model = original if config == "original" else str(ckpt)
-            keys = {t: part_key(ckpt, config, t, counts[t], context, backend, original, sources[t]) for t in names}
-            parts, todo = _reusable_parts(parts_dir, config, keys)
+            keys = {t: part_key(ckpt, config, t, counts[t], context, backend, original, sources[t], weight_dtype, kv_dtype) for t in names}
+            stem = part_stem(config, weight_dtype, kv_dtype) if config != "original" else config
+            parts, todo = _reusable_parts(parts_dir, stem, keys)
             reused = f" ({len(parts)} task(s) reused from {parts_dir})" if parts else ""
             log(f"[{k}/{len(configs)}] {config}: " + (f"loading {model} for {', '.join(todo)}{reused}" if todo else f"all {len(names)} task(s) reused from {parts_dir}"))
-            engine = _row_engine(config, ckpt, original, backend, context, threads, progress) if todo else None
+            engine = _row_engine(config, ckpt, original, backend, context, threads, progress, weight_dtype, kv_dtype) if todo else None
             for t in todo:
                 lm = SparseforgeLM(engine=engine, batch_size=batch_size, progress=progress)
                 start = time.perf_counter()
@@ -347,7 +360,7 @@ def run_eval(
                 run = {"model": model, "engine": engine.stats(), "wall_seconds": time.perf_counter() - start,
                        "forward_seconds": lm.timing["seconds"], "forward_tokens": lm.timing["forward_tokens"]}  # fmt: skip
                 parts[t] = {"key": keys[t], "run": run, **_trim(results, t)}
-                atomic_write_text(parts_dir / f"{config}.{t}.json", json.dumps(parts[t]) + "\n")
+                atomic_write_text(parts_dir / f"{stem}.{t}.json", json.dumps(parts[t]) + "\n")
                 log(f"[{k}/{len(configs)}] {config} {t}: {run['wall_seconds']:.0f} s, {run['forward_tokens']} tokens through the model")
             del engine
             per_config[config] = _merge([parts[t] for t in names])

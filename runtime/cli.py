@@ -6,12 +6,11 @@ from typing import TYPE_CHECKING
 
 from sparseforge.cli_options import HelpFormatter, check_positive
 from sparseforge.errors import SparseforgeError
-from sparseforge.runtime.sizes import KV_DTYPE_CHOICES
+from sparseforge.runtime.sizes import DTYPES, KV_DTYPE_CHOICES
 
 if TYPE_CHECKING:
     from sparseforge.runtime.sampling import GenerationConfig
 
-DTYPE_CHOICES = ("float32", "float16", "bfloat16", "int8")
 
 
 def register(subparsers) -> None:
@@ -36,9 +35,9 @@ def register_plan(subparsers) -> None:
                    "chat and serve need more than 0%% for their neuron cache)")  # fmt: skip
     p.add_argument("--context", type=int, default=2048, help="tokens of KV cache to reserve")
     p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="float32", help="KV cache dtype the engine will run (generate --kv-dtype)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+    p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="weight dtype in fast memory (int8: int8 weights with float32 row scales); default: as stored")  # fmt: skip
-    p.add_argument("--predictor-dtype", choices=DTYPE_CHOICES, default=None,
+    p.add_argument("--predictor-dtype", choices=DTYPES, default=None,
                    help="dtype of the predictors the engine will run (generate --predictor-dtype); default: --dtype, as the engine's default")  # fmt: skip
     p.add_argument("--full-head", action="store_true",
                    help="reserve no memory for the lm_head's int8 screen (for engines run with --full-head); the screen takes one "
@@ -77,8 +76,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    "sparse: compute the neurons the predictors select; dense: every neuron (the baseline); oracle: the exact "
                    "firing mask (computes the gate/up rows to find it, a pair at a time for tied halves); screen: the exact mask without a "
                    "predictor, an int8 copy of the gate/up rows proving most silent neurons zero (float weights; runtime/screen.py)")  # fmt: skip
-    p.add_argument("--weight-dtype", choices=DTYPE_CHOICES, default="float32", help="weight dtype the engine computes with (int8: int8 weights, inputs of their dot products quantized per block of 32)")
-    p.add_argument("--predictor-dtype", choices=DTYPE_CHOICES, default=None,
+    p.add_argument("--weight-dtype", choices=DTYPES, default="float32", help="weight dtype the engine computes with (int8: int8 weights, inputs of their dot products quantized per block of 32)")
+    p.add_argument("--predictor-dtype", choices=DTYPES, default=None,
                    help="dtype of the sparse mode's predictors (default: --weight-dtype). int8 reads a quarter of float32's "
                    "predictor bytes per token and chooses the same neurons within rounding (docs/runtime.md)")  # fmt: skip
     p.add_argument("--context", type=int, default=2048, help="tokens of KV cache: prompt + generated tokens must fit")

@@ -119,6 +119,18 @@ def test_eval_verb_end_to_end(tmp_path, one_thread, capsys):
     assert main(["eval", str(copy), "--tasks", "piqa,arc_easy", *argv[4:]]) == 0
     assert capsys.readouterr().out.count("all 2 task(s) reused") == 3
 
+    # other precisions score the engine rows again into parts of their own, beside the float32 ones
+    assert main([*argv[:3], "piqa", *argv[4:], "--configs", "oracle", "--weight-dtype", "int8", "--kv-dtype", "float16"]) == 0
+    assert "oracle: loading" in capsys.readouterr().out
+    low = json.loads((ckpt / "eval.json").read_text())
+    assert {k: low["configs"]["oracle"]["engine"][k] for k in ("weight_dtype", "kv_dtype")} == {"weight_dtype": "int8", "kv_dtype": "float16"}
+    assert (ckpt / "eval-parts" / "oracle.int8.kv-float16.sf_piqa.json").is_file()
+    assert main([*argv[:3], "piqa", *argv[4:], "--configs", "oracle"]) == 0
+    assert "all 1 task(s) reused" in capsys.readouterr().out
+    assert main([*argv[:3], "piqa", *argv[4:], "--backend", "hf", "--kv-dtype", "float16"]) == 2
+    assert capsys.readouterr().err.strip() == ("sparseforge eval: error: kv_dtype=float16 needs backend=runtime (the hf backend keeps "
+                                               "transformers' own cache)")  # fmt: skip
+
     # one task at its own count: only that task is scored again, and the report keeps every task's count
     assert main([*argv[:3], "piqa,arc_easy", "--limit", "6,arc_easy=3", *argv[6:]]) == 0
     assert capsys.readouterr().out.count("for sf_arc_easy (1 task(s) reused") == 3
