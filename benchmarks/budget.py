@@ -47,7 +47,7 @@ class Tiered:
 
     def _counts(self):
         s = self.store.stats()
-        return s["hot_hits"] + s["cache_hits"], s["neurons"], s["bytes_read"], s["records_read"] * self.store.file.record, s["io_seconds"]
+        return s["hot_hits"] + s["cache_hits"], s["neurons"], s["bytes_read"], s["records_read"] * self.store.file.record, s["io_seconds"], s["reads"]
 
     def run(self, ids, n):
         from sparseforge.runtime.engine import GenerationConfig
@@ -62,9 +62,9 @@ class Tiered:
         out = {"prefill_s": first - start, "decode_tps": rest / (end - first)}
         if self.store:
             after = self._counts()
-            hits, neurons, read, records, io = (a - b for a, b in zip(after, before))
+            hits, neurons, read, records, io, reads = (a - b for a, b in zip(after, before))
             out.update(hit_rate=hits / max(neurons, 1), bytes_read_per_token=read / rest, record_bytes_per_token=records / rest,
-                       io_s_per_token=io / rest)  # fmt: skip
+                       io_s_per_token=io / rest, reads_per_token=reads / rest)  # fmt: skip
         return out
 
     def close(self):
@@ -172,6 +172,7 @@ def main() -> None:
         if isinstance(c, Tiered) and c.store:
             row["record_mb_per_token"] = median([x["record_bytes_per_token"] for x in r]) / 1e6
             row["io_s_per_token"] = median([x["io_s_per_token"] for x in r])
+            row["reads_per_token"] = median([x["reads_per_token"] for x in r])
             row["read_gbs"] = row["bytes_read_per_token"] / row["io_s_per_token"] / 1e9 if row["io_s_per_token"] else None
         rows.append(row)
     resident = rows[0]["decode_tps"]
@@ -188,7 +189,7 @@ def main() -> None:
             "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "hf_new_tokens": args.hf_new_tokens, "reps": args.reps}  # fmt: skip
     cols = [("engine", "engine", ""), ("budget_bytes", "budget bytes", ","), ("decode_tps", "decode tok/s", ".2f"), ("vs_resident", "÷ resident", ".2f"),
             ("vs_hf_offload", "÷ HF offload", ".1f"), ("hit_rate", "hit rate", ".3f"), ("expected_hit_rate", "plan's expected hit rate", ".3f"),
-            ("mb_read_per_token", "MB read / token", ".2f"), ("record_mb_per_token", "MB of missed records / token", ".2f"),
+            ("mb_read_per_token", "MB read / token", ".2f"), ("record_mb_per_token", "MB of missed records / token", ".2f"), ("reads_per_token", "reads / token", ".1f"),
             ("read_gbs", "reader GB/s", ".2f"), ("ceiling_tps", "ceiling tok/s", ".2f"), ("prefill_tps", "prefill tok/s", ".1f")]  # fmt: skip
     table = markdown_table(rows, cols)
     if disk:

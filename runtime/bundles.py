@@ -10,8 +10,10 @@ A record is the unit's bundle `[3, H]` in the file's dtype (float32 / bfloat16 /
 `[3, H]` int8 rows followed by their three float32 scales (`units.quantize_bundles`; the unit's per-channel
 scales of its down columns, H float32 values, are in the index), so one positional read
 of a record (or of a run of adjacent records) is everything computing those neurons needs. Within a unit the
-records are in the profile's frequency order, most frequent first: the plan's hot neurons are the head of
-each unit (one sequential read at startup) and the cold ones that fire most often sit next to each other.
+records are in the order plans rank neurons (runtime/plan.py placement_ranks), highest first: the plan's hot
+neurons are the head of each unit (one sequential read at startup) and the cold ones that fire most often sit next
+to each other. With pair predictors that rank is the pair's, and a pair's two halves are adjacent records: the one
+read of a predicted cold pair.
 
 `CKPT/neurons/bundles-<dtype>.json` is the index: shapes, record size, each unit's offset, file order and
 one CRC32 per record (a record is the unit of reading and of checking), the build id also written in the
@@ -37,6 +39,7 @@ from tqdm.auto import tqdm
 from sparseforge.atomic import atomic_path, atomic_write_text
 from sparseforge.errors import SparseforgeError
 from sparseforge.files import damaged, read_json
+from sparseforge.runtime.plan import pair_predictors, placement_ranks
 from sparseforge.runtime.sizes import DTYPES, model_shape, neuron_bytes
 from sparseforge.runtime.units import convert_bundles, make_bundles
 from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader
@@ -60,17 +63,26 @@ def _sources(ckpt: Path) -> list[dict]:
             for n in names if (ckpt / n).is_file()]  # fmt: skip
 
 
-def _file_order(ckpt: Path, layers: int, experts: int, width: int) -> tuple[torch.Tensor, str]:
-    """[L, E, I] neuron ids in file order: by profile frequency (most first, ties lower id), else identity."""
+def _order_kind(ckpt: Path) -> str:
+    """How the file orders each unit's records (bundles_up_to_date rebuilds when this changes)."""
     if not (ckpt / "profile.safetensors").is_file():
-        return torch.arange(width).expand(layers, experts, width), "identity (no profile)"
+        return "identity (no profile)"
+    return "pair frequency" if pair_predictors(ckpt) else "profile frequency"
+
+
+def _file_order(ckpt: Path, layers: int, experts: int, width: int) -> tuple[torch.Tensor, str]:
+    """[L, E, I] neuron ids in file order: by placement rank (runtime/plan.py placement_ranks: profile frequency,
+    or pair frequency with a pair's halves adjacent; highest first, ties lower id), else identity."""
+    if _order_kind(ckpt).startswith("identity"):
+        return torch.arange(width).expand(layers, experts, width), _order_kind(ckpt)
     from sparseforge.predictors.profile import load_profile
 
     counts = load_profile(ckpt)[0]["counts"]
     if tuple(counts.shape) != (layers, experts, width):
         raise SparseforgeError(f"{ckpt}/profile.safetensors counts have shape {tuple(counts.shape)}, the model is "
                                f"{(layers, experts, width)}; re-run sparseforge profile on this checkpoint")  # fmt: skip
-    return torch.argsort(counts.to(torch.int64), dim=-1, descending=True, stable=True), "profile frequency"
+    ranks, kind = placement_ranks(ckpt, counts)
+    return torch.argsort(ranks, dim=-1, descending=True, stable=True), kind
 
 
 def encode_records(bundles: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -127,7 +139,8 @@ def _header(build_id: str) -> bytes:
 
 
 def bundles_up_to_date(ckpt: str | Path, dtype: str) -> bool:
-    """True when the index exists, has this format_version and was built from the checkpoint's current files."""
+    """True when the index exists, has this format_version and was built from the checkpoint's current files in
+    the order they now ask for (pair predictors trained or replaced since: rebuilt)."""
     _, index_path = bundle_paths(ckpt, dtype)
     if not index_path.is_file():
         return False
@@ -135,7 +148,8 @@ def bundles_up_to_date(ckpt: str | Path, dtype: str) -> bool:
         index = json.loads(index_path.read_text())
     except ValueError:
         return False
-    return index.get("format_version") == BUNDLES_FORMAT_VERSION and index.get("sources") == _sources(Path(ckpt))
+    ckpt = Path(ckpt)
+    return index.get("format_version") == BUNDLES_FORMAT_VERSION and index.get("sources") == _sources(ckpt) and index.get("order") == _order_kind(ckpt)
 
 
 def ensure_bundles(ckpt: str | Path, dtype: str, build: bool = True, progress: bool = True, **options) -> "BundleFile":

@@ -54,6 +54,31 @@ def hot_indices(counts: torch.Tensor, k: int) -> list[int]:
     return torch.argsort(counts.to(torch.int64), descending=True, stable=True)[:k].tolist()
 
 
+def pair_predictors(ckpt: str | Path) -> bool:
+    """Whether the checkpoint's predictors score pairs of tied halves (predictors.json "pairs")."""
+    from sparseforge.files import read_json
+
+    path = Path(ckpt) / "predictors.json"
+    return path.is_file() and bool(read_json(path).get("pairs", False))
+
+
+def placement_ranks(ckpt: str | Path, counts: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """(ranks [L, E, I] int64, what they are) by which neurons are placed: plans, the neuron store's hot/pool
+    split and the bundle file's order all take the highest first. counts: the profile's firing counts [L, E, I].
+
+    Neuron predictors: the counts. Pair predictors: a predicted pair computes both halves (neurons j and I/2 + j),
+    so each half ranks as its pair, by the halves' summed counts (at most one half of a tied pair fires), ties
+    broken by the lower pair index. The two halves of a pair then sit next to each other in every ranking, and a
+    cut after an even number of neurons keeps or drops both."""
+    counts = counts.to(torch.int64)
+    if not pair_predictors(ckpt):
+        return counts, "profile frequency"
+    half = counts.shape[-1] // 2
+    pair = counts[..., :half] + counts[..., half:]
+    key = pair * half + torch.arange(half - 1, -1, -1)  # unique within a unit: pairs by count, then lower index
+    return torch.cat([key, key], dim=-1), "pair frequency"
+
+
 # ---------------------------------------------------------------- the plan
 
 
@@ -112,11 +137,12 @@ def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[in
                 f"({human_bytes(reserve['total'])}: {parts}) for dtype {dtype} and context {request.context}; pass at least "
                 f"{math.ceil(reserve['total'] / 2**20)}MiB, a smaller --context or dtype, or a percentage such as 25%"
             )
-    rank = counts.to(torch.int64).clone()
+    rank, ranked_by = placement_ranks(ckpt, counts)
     for layer, ids in (exclude or {}).items():
         rank[layer, 0, ids] = -1
     units = [rank[i, e] for i in range(shape.layers) for e in range(shape.experts)]
-    ks = hot_counts(units, mlp_budget // per_neuron if mlp_budget > 0 else 0)
+    fit = mlp_budget // per_neuron if mlp_budget > 0 else 0
+    ks = hot_counts(units, fit - fit % 2 if ranked_by == "pair frequency" else fit)
 
     layers, hot_total, fire_total = [], 0, int(counts.sum())
     for i in range(shape.layers):
@@ -156,6 +182,7 @@ def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[in
         "expected_hit_rate": _rate(hot_total, fire_total),
         "profile": {"tokens": tokens, "firings_per_token": fire_total / max(tokens, 1)},
         "expected_cold_bytes_per_token": (fire_total - hot_total) / max(tokens, 1) * per_neuron,
+        "ranked_by": ranked_by,
         "num_experts": shape.experts,
         "intermediate_size": shape.intermediate,
         "hidden_size": shape.hidden,

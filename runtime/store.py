@@ -37,7 +37,7 @@ import torch
 
 from sparseforge.errors import SparseforgeError
 from sparseforge.runtime.bundles import MERGE_GAP, BundleFile, ensure_bundles
-from sparseforge.runtime.plan import PlanRequest, hot_counts, load_plan, make_plan
+from sparseforge.runtime.plan import PlanRequest, hot_counts, load_plan, make_plan, placement_ranks
 from sparseforge.runtime.sizes import human_bytes, parse_size
 from sparseforge.runtime.units import Request
 from sparseforge.runtime.weights import WEIGHT_DTYPES
@@ -324,7 +324,7 @@ def split_slots(plan: dict, ckpt: Path, cache_fraction: float, min_cold_slots: i
     Returns ({(layer, expert): hot neuron ids [h_u], most frequent first}, pool slots)."""
     from sparseforge.predictors.profile import load_profile
 
-    counts = load_profile(ckpt)[0]["counts"].to(torch.int64).clone()  # [L, E, I]
+    counts, ranked_by = placement_ranks(ckpt, load_profile(ckpt)[0]["counts"])  # [L, E, I], as the plan ranked them
     for layer, ids in plan.get("excluded", {}).items():  # neurons held elsewhere (a hybrid engine's device) rank last
         counts[int(layer), 0, ids] = -1
     layers, experts, width = counts.shape
@@ -349,8 +349,9 @@ def split_slots(plan: dict, ckpt: Path, cache_fraction: float, min_cold_slots: i
             f"pass --fast-memory {-(-need // 2**20)}MiB or more"
         )
     pool = max(least, round(cache_fraction * total))
-    plan_counts = [counts[k][plan_hot[k]] for k in keys]  # the plan's hot lists, most frequent first
-    ks = hot_counts(plan_counts, total - pool)
+    pool += (total - pool) % 2 if ranked_by == "pair frequency" else 0  # hot pairs whole
+    plan_hot = {k: h[torch.argsort(counts[k][h], descending=True, stable=True)] for k, h in plan_hot.items()}  # highest rank first
+    ks = hot_counts([counts[k][plan_hot[k]] for k in keys], total - pool)
     hot = {k: plan_hot[k][:n] for k, n in zip(keys, ks)}
     assert sum(len(h) for h in hot.values()) + pool <= total, (hot, pool, total)
     return hot, pool

@@ -160,3 +160,47 @@ def test_the_fused_predictor_and_mlp_call_takes_both_halves_of_each_predicted_pa
     want = torch.zeros(64)
     kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, neurons, xn, act, want, 1.0, torch.zeros(3, dtype=torch.long), 1)
     assert n == neurons.numel() == 2 * pairs.numel() > 0 and torch.equal(y, want)
+
+
+def test_pairs_are_placed_whole_and_a_cold_pair_is_one_read(trained, tmp_path):
+    """With pair predictors a plan holds whole pairs, ranked by the halves' summed counts; the bundle file keeps a
+    pair's halves adjacent, so the neuron store reads each cold pair in one call, and its decode is the resident one."""
+    from sparseforge.predictors.profile import load_profile
+    from sparseforge.runtime.bundles import BundleFile, bundles_up_to_date
+    from sparseforge.runtime.plan import PlanRequest, make_plan
+    from sparseforge.runtime.sizes import parse_size
+    from sparseforge.runtime.store import tiered_units
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(trained[0], ckpt)
+    counts = load_profile(ckpt)[0]["counts"].to(torch.int64)
+    half = counts.shape[-1] // 2
+    pair_counts = counts[..., :half] + counts[..., half:]
+    plan = make_plan(ckpt, PlanRequest(parse_size("30%"), context=32))
+    assert plan["ranked_by"] == "pair frequency" and plan["mlp"]["hot_neurons"] % 2 == 0
+    hot_pairs = []
+    for row in plan["layers"]:
+        hot = set(row["hot"])
+        assert hot == {j % half for j in hot} | {j % half + half for j in hot}  # both halves or neither
+        hot_pairs.append(sorted(j for j in hot if j < half))
+    cold_max = max(int(pair_counts[i, 0][[j for j in range(half) if j not in set(h)]].max()) for i, h in enumerate(hot_pairs))
+    assert min(int(pair_counts[i, 0][h].min()) for i, h in enumerate(hot_pairs) if h) >= cold_max  # the most firing pairs
+
+    ids = torch.tensor(random_windows(1, 12, seed=5))
+    resident = Engine.load(ckpt, mode="sparse", context=32, progress=False)
+    want = _decode(resident, ids)[0]
+    with tiered_units(ckpt, "30%", "float32", context=32, min_cold_slots=16, merge_gap=0, io="cached", progress=False) as store:
+        order = BundleFile(ckpt, "float32", io="cached").unit_rows[(0, 0)]["order"]
+        assert all(order[k + 1] == order[k] + half for k in range(0, 2 * half, 2))
+        engine = Engine.load(ckpt, mode="sparse", context=32, units=store, progress=False)
+        got, stats = _decode(engine, ids)
+        s = stats["units"]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert s["misses"] > 0 and s["records_read"] % 2 == 0 and 2 * s["reads"] <= s["records_read"]
+        hot = store.hot[(0, 0)].tolist()
+        assert set(hot) == {j % half for j in hot} | {j % half + half for j in hot}
+    assert bundles_up_to_date(ckpt, "float32")
+    report = json.loads((ckpt / "predictors.json").read_text())
+    (ckpt / "predictors.json").write_text(json.dumps({**report, "pairs": False}))
+    assert not bundles_up_to_date(ckpt, "float32")  # neuron predictors want the profile's order: rebuilt
+    assert make_plan(ckpt, PlanRequest(parse_size("30%"), context=32))["ranked_by"] == "profile frequency"
