@@ -47,7 +47,7 @@ class Tiered:
 
     def _counts(self):
         s = self.store.stats()
-        return s["hot_hits"] + s["cache_hits"], s["neurons"], s["bytes_read"], s["records_read"] * self.store.file.record, s["io_seconds"], s["reads"]
+        return s["hot_hits"] + s["cache_hits"], s["neurons"], s["bytes_read"], s["record_bytes"], s["io_seconds"], s["reads"]
 
     def run(self, ids, n):
         from sparseforge.runtime.engine import GenerationConfig

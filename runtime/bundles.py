@@ -9,7 +9,10 @@ Layout of `CKPT/neurons/bundles-<dtype>.bin` (see docs/formats.md "Neuron bundle
 A record is the unit's bundle `[3, H]` in the file's dtype (float32 / bfloat16 / float16), or for int8 the
 `[3, H]` int8 rows followed by their three float32 scales (`units.quantize_bundles`; the unit's per-channel
 scales of its down columns, H float32 values, are in the index), so one positional read
-of a record (or of a run of adjacent records) is everything computing those neurons needs. Within a unit the
+of a record (or of a run of adjacent records) is everything computing those neurons needs. A unit of tied halves
+(neuron I/2 + p: neuron p's gate row and minus its up row, exactly as stored) in a checkpoint with pair predictors
+holds one record per pair instead, `[4, H]`: the gate row, the up row, then the two halves' down columns (int8: four
+rows, then four scales), two thirds of its two halves' bytes; `scatter` writes either half's bundle from it. Within a unit the
 records are in the order plans rank neurons (runtime/plan.py placement_ranks), highest first: the plan's hot
 neurons are the head of each unit (one sequential read at startup) and the cold ones that fire most often sit next
 to each other. With pair predictors that rank is the pair's, and a pair's two halves are adjacent records: the one
@@ -41,10 +44,10 @@ from sparseforge.errors import SparseforgeError
 from sparseforge.files import damaged, read_json
 from sparseforge.runtime.plan import pair_predictors, placement_ranks
 from sparseforge.runtime.sizes import DTYPES, model_shape, neuron_bytes
-from sparseforge.runtime.units import convert_bundles, make_bundles
+from sparseforge.runtime.units import convert_bundles, make_bundles, tied_bundles
 from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader
 
-BUNDLES_FORMAT_VERSION = 2  # 2: int8 down columns with per-channel scales (the index's "channels" per unit)
+BUNDLES_FORMAT_VERSION = 3  # 2: int8 down columns with per-channel scales (the index's "channels" per unit); 3: pair records
 ALIGN = 4096  # header size and unit alignment: the usual O_DIRECT logical block size and page size
 MAGIC = b"SFNEURON"
 MERGE_GAP = 128 * 1024  # bytes of unrequested records a read may span to join two runs into one read
@@ -85,12 +88,19 @@ def _file_order(ckpt: Path, layers: int, experts: int, width: int) -> tuple[torc
     return torch.argsort(ranks, dim=-1, descending=True, stable=True), kind
 
 
-def encode_records(bundles: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A unit's bundles [I, 3, H] float32 -> (records uint8 [I, record_bytes] in `dtype`, int8: rows then 3 float32
-    scales; the down columns' channel scales [H] for int8, else None)."""
+def encode_records(bundles: torch.Tensor, dtype: str, pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """A unit's bundles [I, 3, H] float32 -> (records uint8 [n, record_bytes] in `dtype`, int8: rows then their float32
+    scales; the down columns' channel scales [H] for int8, else None; whether the records are pairs). pairs: one
+    record per pair of tied halves ([4, H]: gate, up, both down columns; n = I/2) when the unit's converted halves
+    are tied exactly, else one per neuron ([3, H]; n = I)."""
     b, scales, channels = convert_bundles(bundles, WEIGHT_DTYPES[dtype])
-    parts = [t.view(torch.uint8).reshape(b.shape[0], -1) for t in (b, scales) if t is not None]
-    return torch.cat(parts, dim=1), channels
+    paired = pairs and tied_bundles(b, scales)
+    if paired:
+        half = b.shape[0] // 2
+        b = torch.cat([b[:half], b[half:, 2:]], dim=1)
+        scales = None if scales is None else torch.cat([scales[:half], scales[half:, 2:]], dim=1)
+    parts = [t.contiguous().view(torch.uint8).reshape(b.shape[0], -1) for t in (b, scales) if t is not None]
+    return torch.cat(parts, dim=1), channels, paired
 
 
 def build_bundles(ckpt: str | Path, dtype: str, progress: bool = True) -> Path:
@@ -103,7 +113,6 @@ def build_bundles(ckpt: str | Path, dtype: str, progress: bool = True) -> Path:
     shape = model_shape(ckpt)
     check_weights(ckpt, load_config(ckpt))
     record = neuron_bytes(shape.hidden, dtype)
-    unit_bytes = math.ceil(shape.intermediate * record / ALIGN) * ALIGN
     sources = _sources(ckpt)
     order, order_kind = _file_order(ckpt, shape.layers, shape.experts, shape.intermediate)
     weights = WeightReader(ckpt, dtype)
@@ -116,18 +125,25 @@ def build_bundles(ckpt: str | Path, dtype: str, progress: bool = True) -> Path:
         names = [(i, e) for i in range(shape.layers) for e in range(shape.experts)]
         for i, e in tqdm(names, desc=f"bundles {dtype}", unit="unit", disable=not progress):
             ids = order[i, e]
-            records, channels = encode_records(make_bundles(*(w.float() for w in weights.mlp(i, e)))[ids], dtype)
+            records, channels, paired = encode_records(make_bundles(*(w.float() for w in weights.mlp(i, e))), dtype, order_kind == "pair frequency")
+            if paired:  # pairs in the order of their first half in `ids` (adjacent halves under pair ranks)
+                ids = ids[ids < shape.intermediate // 2]
+            records = records[ids]
+            size = records.shape[1]
             raw = records.numpy().tobytes()
-            crcs = [zlib.crc32(raw[k * record : (k + 1) * record]) for k in range(len(records))]
+            crcs = [zlib.crc32(raw[k * size : (k + 1) * size]) for k in range(len(records))]
+            unit_bytes = math.ceil(len(raw) / ALIGN) * ALIGN
             f.write(raw.ljust(unit_bytes, b"\0"))
             units.append({"layer": i, "expert": e, "offset": offset, "order": ids.tolist(), "crc32": crcs})
+            if paired:
+                units[-1].update(pairs=True, record_bytes=size)
             if channels is not None:  # float32 values, exact through JSON's doubles
                 units[-1]["channels"] = channels.tolist()
             offset += unit_bytes
     index = {
         "format_version": BUNDLES_FORMAT_VERSION, "dtype": dtype, "build_id": build_id,
         "layers": shape.layers, "experts": shape.experts, "hidden": shape.hidden, "intermediate": shape.intermediate,
-        "record_bytes": record, "align": ALIGN, "unit_bytes": unit_bytes, "file_bytes": offset,
+        "record_bytes": record, "align": ALIGN, "file_bytes": offset,
         "order": order_kind, "checksum": "zlib crc32 per record", "sources": sources, "units": units,
     }  # fmt: skip
     atomic_write_text(index_path, json.dumps(index, separators=(",", ":")) + "\n")
@@ -161,6 +177,16 @@ def ensure_bundles(ckpt: str | Path, dtype: str, build: bool = True, progress: b
 
 
 # ---------------------------------------------------------------- reading
+
+
+def _negated(rows: np.ndarray, dtype: str) -> np.ndarray:
+    """Rows (uint8 [m, bytes]) of `dtype` values, negated exactly: int8 by value (never -128: quantize_rows clamps to
+    ±127), floats by their sign bit."""
+    if dtype == "int8":
+        return np.negative(rows.view(np.int8)).view(np.uint8)
+    width = WEIGHT_DTYPES[dtype].itemsize
+    bits = rows.view(np.uint32 if width == 4 else np.uint16)
+    return (bits ^ np.array(1 << (8 * width - 1), dtype=bits.dtype)).view(np.uint8)
 
 
 @dataclass
@@ -234,11 +260,19 @@ class BundleFile:
                                    f"{self.index['build_id']}); {self.fix}")  # fmt: skip
 
     def positions(self, layer: int, expert: int) -> torch.Tensor:
-        """[I] file position of each neuron id within the unit."""
+        """[I] file position of each neuron id within the unit (in a unit of pair records, both halves': their pair's)."""
         order = torch.tensor(self.unit_rows[(layer, expert)]["order"])
         pos = torch.empty_like(order)
         pos[order] = torch.arange(order.numel())
-        return pos
+        return torch.cat([pos, pos]) if self.pairs(layer, expert) else pos
+
+    def pairs(self, layer: int, expert: int) -> bool:
+        """Whether the unit's records are pairs of tied halves (module docstring)."""
+        return bool(self.unit_rows[(layer, expert)].get("pairs", False))
+
+    def record_bytes(self, layer: int, expert: int) -> int:
+        """Bytes of one of the unit's records."""
+        return self.unit_rows[(layer, expert)].get("record_bytes", self.record)
 
     def channels(self, layer: int, expert: int) -> torch.Tensor | None:
         """The unit's per-channel scales of its int8 down columns ([H] float32), None for other dtypes."""
@@ -250,7 +284,7 @@ class BundleFile:
         one read, each run widened to ALIGN boundaries for O_DIRECT."""
         row = self.unit_rows[(layer, expert)]
         positions = np.asarray(positions, dtype=np.int64)
-        rec, align = self.record, (ALIGN if self.io == "direct" else 1)
+        rec, align = row.get("record_bytes", self.record), (ALIGN if self.io == "direct" else 1)
         starts = row["offset"] + positions * rec
         sort = np.argsort(starts, kind="stable")
         s = starts[sort]
@@ -311,22 +345,40 @@ class BundleFile:
             if got != crcs[p]:
                 raise SparseforgeError(
                     f"bundle file {self.path}: record {p} of layer {row['layer']} expert {row['expert']} (byte "
-                    f"{row['offset'] + p * self.record}) fails its CRC32 (stored {crcs[p]:08x}, read {got:08x}): "
+                    f"{row['offset'] + p * row.get('record_bytes', self.record)}) fails its CRC32 (stored {crcs[p]:08x}, read {got:08x}): "
                     f"the file is corrupted; {self.fix}"
                 )
         seen[positions[todo]] = True
 
-    def scatter(self, records: torch.Tensor, slots: np.ndarray, bundles: torch.Tensor, scales: torch.Tensor | None) -> None:
+    def scatter(self, records: torch.Tensor, slots: np.ndarray, bundles: torch.Tensor, scales: torch.Tensor | None,
+                halves: np.ndarray | None = None) -> None:  # fmt: skip
         """Copy records uint8 [n, record_bytes] into rows `slots` (int64 [n]) of bundles [S, 3, H] in the file dtype
         (and of scales float32 [S, 3] for int8; a record is the bundle's rows, then for int8 its three scales), in
         numpy with each row one item. Not torch: torch ops on the store's reader thread would start a second OpenMP team
-        there, which competes with the decode kernels' threads."""
+        there, which competes with the decode kernels' threads. halves (bool [n]): the records are pairs, and each
+        slot gets the bundle of its pair's first (False) or second (True) half."""
         rec = records.numpy()
+        if halves is not None:
+            rec = self._half_records(rec, np.asarray(halves, dtype=bool))
         rows = 3 * self.hidden * WEIGHT_DTYPES[self.dtype].itemsize
         parts = [(bundles, 0, rows)] + ([(scales, rows, self.record - rows)] if scales is not None else [])
         for dest, lo, width in parts:
             item = np.dtype((np.void, width))
             dest.view(torch.uint8).numpy().reshape(dest.shape[0], width).view(item)[slots, 0] = rec[:, lo : lo + width].view(item)[:, 0]
+
+    def _half_records(self, rec: np.ndarray, second: np.ndarray) -> np.ndarray:
+        """Pair records [n, 4 rows (+ 4 scales)] -> each one's half as a neuron record [n, 3 rows (+ 3 scales)]: the
+        gate row, the up row (negated for a second half), that half's down column (and their scales)."""
+        row = self.hidden * WEIGHT_DTYPES[self.dtype].itemsize
+        up = rec[:, row : 2 * row].copy()
+        if second.any():
+            up[second] = _negated(up[second], self.dtype)
+        down = np.where(second[:, None], rec[:, 3 * row : 4 * row], rec[:, 2 * row : 3 * row])
+        parts = [rec[:, :row], up, down]
+        if self.dtype == "int8":
+            s = rec[:, 4 * row : 4 * row + 16].copy().view(np.float32)
+            parts.append(np.concatenate([s[:, :2], np.where(second, s[:, 3], s[:, 2])[:, None]], axis=1).view(np.uint8))
+        return np.concatenate(parts, axis=1)
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -42,7 +42,7 @@ from sparseforge.runtime.sizes import human_bytes, parse_size
 from sparseforge.runtime.units import Request
 from sparseforge.runtime.weights import WEIGHT_DTYPES
 
-COUNTERS = ("requests", "neurons", "hot_hits", "cache_hits", "misses", "evictions", "bytes_read", "records_read", "reads")
+COUNTERS = ("requests", "neurons", "hot_hits", "cache_hits", "misses", "evictions", "bytes_read", "records_read", "record_bytes", "reads")
 
 
 @dataclass
@@ -77,16 +77,18 @@ class TieredUnit:
         # a request of k neurons needs min(k, cold neurons) free pool slots
         self.capacity = self.intermediate if store.pool_slots >= self.intermediate - self.hot else store.pool_slots
         self.position = f.positions(layer, expert).numpy()  # [I] neuron -> record position in the file (chunk order)
+        self.pairs = f.pairs(layer, expert)  # one record per pair of tied halves (runtime/bundles.py)
+        self.record_bytes = f.record_bytes(layer, expert)
         self.slot_of = np.full(self.intermediate, -1, dtype=np.int64)  # [I] neuron -> arena slot, -1 not resident
         self.jobs: list[_Job] = []
         self.counts = dict.fromkeys(COUNTERS, 0)
         if self.hot:  # hot neurons: one read of the head of the unit's records (frequency order)
             ids = np.sort(hot.numpy())  # slots in neuron order: the kernels then walk the hot slots sequentially
             slots = offset + np.arange(self.hot)
-            store.fill(slots, f.read(layer, expert, self.position[ids]))
+            store.fill(slots, f.read(layer, expert, self.position[ids]), self._halves(ids))
             self.slot_of[ids] = slots
             store.neuron_in[slots], store.owner[slots] = ids, index
-        self.load_bytes = self.hot * f.record
+        self.load_bytes = np.unique(self.position[ids]).size * self.record_bytes if self.hot else 0
 
     # ---------------------------------------------------------------- the MLPUnit interface
 
@@ -193,12 +195,19 @@ class TieredUnit:
 
     def _run(self, job: _Job) -> None:
         """Reader thread: read a job's records, fill its slots, count the bytes."""
-        result = self.store.file.read(self.layer, self.expert, self.position[job.neurons])
-        self.store.fill(job.slots, result)
+        positions = self.position[job.neurons]
+        result = self.store.file.read(self.layer, self.expert, positions)
+        self.store.fill(job.slots, result, self._halves(job.neurons))
         c = self.counts
+        records = np.unique(positions).size if self.pairs else positions.size  # both halves of a pair: one record
         c["bytes_read"] += result.bytes_read
-        c["records_read"] += job.neurons.size
+        c["records_read"] += records
+        c["record_bytes"] += records * self.record_bytes
         c["reads"] += result.reads
+
+    def _halves(self, neurons: np.ndarray) -> np.ndarray | None:
+        """For a unit of pair records: which half of its pair each neuron is (bool [n]), else None."""
+        return neurons >= self.intermediate // 2 if self.pairs else None
 
 
 class NeuronStore:
@@ -251,9 +260,9 @@ class NeuronStore:
         self.units[index] = unit = TieredUnit(self, layer, expert, index, offset, self.hot[(layer, expert)])
         return unit
 
-    def fill(self, slots: np.ndarray, result) -> None:
-        """Copy read records into arena slots."""
-        self.file.scatter(result.records, slots, self.bundles, self.scales)
+    def fill(self, slots: np.ndarray, result, halves: np.ndarray | None = None) -> None:
+        """Copy read records into arena slots (halves: pair records, BundleFile.scatter)."""
+        self.file.scatter(result.records, slots, self.bundles, self.scales, halves)
 
     def submit(self, job: _Job) -> None:
         self._queue.put(job)

@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tiny import decode_path, random_windows, tiny_model, tiny_tokenizer, word_documents
@@ -162,21 +163,24 @@ def test_the_fused_predictor_and_mlp_call_takes_both_halves_of_each_predicted_pa
     assert n == neurons.numel() == 2 * pairs.numel() > 0 and torch.equal(y, want)
 
 
-def test_pairs_are_placed_whole_and_a_cold_pair_is_one_read(trained, tmp_path):
-    """With pair predictors a plan holds whole pairs, ranked by the halves' summed counts; the bundle file keeps a
-    pair's halves adjacent, so the neuron store reads each cold pair in one call, and its decode is the resident one."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_pairs_are_placed_whole_and_a_cold_pair_is_one_record(trained, tmp_path, dtype):
+    """With pair predictors a plan holds whole pairs, ranked by the halves' summed counts; the bundle file holds one
+    record per pair (gate, up, both down columns), from which either half's bundle is exactly the resident one, so the
+    neuron store reads a cold pair as one record, and its decode is the resident engine's."""
     from sparseforge.predictors.profile import load_profile
-    from sparseforge.runtime.bundles import BundleFile, bundles_up_to_date
+    from sparseforge.runtime.bundles import bundles_up_to_date
     from sparseforge.runtime.plan import PlanRequest, make_plan
-    from sparseforge.runtime.sizes import parse_size
+    from sparseforge.runtime.sizes import neuron_bytes, parse_size
     from sparseforge.runtime.store import tiered_units
+    from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader, resident_unit
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(trained[0], ckpt)
     counts = load_profile(ckpt)[0]["counts"].to(torch.int64)
-    half = counts.shape[-1] // 2
+    I, half, H = counts.shape[-1], counts.shape[-1] // 2, trained[1].config.hidden_size
     pair_counts = counts[..., :half] + counts[..., half:]
-    plan = make_plan(ckpt, PlanRequest(parse_size("30%"), context=32))
+    plan = make_plan(ckpt, PlanRequest(parse_size("30%"), context=32, dtype=dtype))
     assert plan["ranked_by"] == "pair frequency" and plan["mlp"]["hot_neurons"] % 2 == 0
     hot_pairs = []
     for row in plan["layers"]:
@@ -187,20 +191,29 @@ def test_pairs_are_placed_whole_and_a_cold_pair_is_one_read(trained, tmp_path):
     assert min(int(pair_counts[i, 0][h].min()) for i, h in enumerate(hot_pairs) if h) >= cold_max  # the most firing pairs
 
     ids = torch.tensor(random_windows(1, 12, seed=5))
-    resident = Engine.load(ckpt, mode="sparse", context=32, progress=False)
-    want = _decode(resident, ids)[0]
-    with tiered_units(ckpt, "30%", "float32", context=32, min_cold_slots=16, merge_gap=0, io="cached", progress=False) as store:
-        order = BundleFile(ckpt, "float32", io="cached").unit_rows[(0, 0)]["order"]
-        assert all(order[k + 1] == order[k] + half for k in range(0, 2 * half, 2))
-        engine = Engine.load(ckpt, mode="sparse", context=32, units=store, progress=False)
+    want = _decode(Engine.load(ckpt, mode="sparse", weight_dtype=dtype, context=32, progress=False), ids)[0]
+    with tiered_units(ckpt, "30%", dtype, context=32, min_cold_slots=16, merge_gap=0, io="cached", progress=False) as store:
+        f = store.file
+        pair_bytes = 4 * (H + 4) if dtype == "int8" else 4 * H * WEIGHT_DTYPES[dtype].itemsize
+        assert all(f.pairs(i, 0) and f.record_bytes(i, 0) == pair_bytes for i in range(len(plan["layers"])))
+        order = f.unit_rows[(0, 0)]["order"]
+        assert sorted(order) == list(range(half)) and pair_counts[0, 0][order].tolist() == sorted(pair_counts[0, 0].tolist(), reverse=True)
+        bundles = torch.empty(I, 3, H, dtype=WEIGHT_DTYPES[dtype])
+        scales = torch.empty(I, 3) if dtype == "int8" else None
+        f.scatter(f.read(0, 0, f.positions(0, 0).numpy()).records, np.arange(I), bundles, scales, halves=np.arange(I) >= half)
+        ref = resident_unit(0, 0, WeightReader(ckpt, dtype))
+        assert torch.equal(bundles, ref.bundles) and (scales is None or torch.equal(scales, ref.scales))
+
+        engine = Engine.load(ckpt, mode="sparse", weight_dtype=dtype, context=32, units=store, progress=False)
         got, stats = _decode(engine, ids)
         s = stats["units"]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        assert s["misses"] > 0 and s["records_read"] % 2 == 0 and 2 * s["reads"] <= s["records_read"]
+        assert s["misses"] > 0 and s["record_bytes"] == s["records_read"] * pair_bytes and s["misses"] <= 2 * s["records_read"]
+        assert s["record_bytes"] < s["misses"] * neuron_bytes(H, dtype) and s["reads"] <= s["records_read"]
         hot = store.hot[(0, 0)].tolist()
         assert set(hot) == {j % half for j in hot} | {j % half + half for j in hot}
-    assert bundles_up_to_date(ckpt, "float32")
+    assert bundles_up_to_date(ckpt, dtype)
     report = json.loads((ckpt / "predictors.json").read_text())
     (ckpt / "predictors.json").write_text(json.dumps({**report, "pairs": False}))
-    assert not bundles_up_to_date(ckpt, "float32")  # neuron predictors want the profile's order: rebuilt
-    assert make_plan(ckpt, PlanRequest(parse_size("30%"), context=32))["ranked_by"] == "profile frequency"
+    assert not bundles_up_to_date(ckpt, dtype)  # neuron predictors want the profile's order and neuron records: rebuilt
+    assert make_plan(ckpt, PlanRequest(parse_size("30%"), context=32, dtype=dtype))["ranked_by"] == "profile frequency"
