@@ -217,3 +217,26 @@ def test_pairs_are_placed_whole_and_a_cold_pair_is_one_record(trained, tmp_path,
     (ckpt / "predictors.json").write_text(json.dumps({**report, "pairs": False}))
     assert not bundles_up_to_date(ckpt, dtype)  # neuron predictors want the profile's order and neuron records: rebuilt
     assert make_plan(ckpt, PlanRequest(parse_size("30%"), context=32, dtype=dtype))["ranked_by"] == "profile frequency"
+
+
+def test_a_unit_whose_halves_are_not_tied_keeps_neuron_records(trained, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from sparseforge.runtime.bundles import BundleFile, build_bundles
+    from sparseforge.runtime.store import tiered_units
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(trained[0], ckpt)
+    tensors = load_file(ckpt / "model.safetensors")
+    up = tensors["model.layers.1.mlp.up_proj.weight"]
+    up[up.shape[0] // 2 + 3, 0] += 1e-3  # layer 1's pair 3 is no longer tied
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    build_bundles(ckpt, "float32", progress=False)
+    f = BundleFile(ckpt, "float32", io="cached")
+    assert f.pairs(0, 0) and not f.pairs(1, 0) and len(f.unit_rows[(1, 0)]["order"]) == up.shape[0]
+    ids = torch.tensor(random_windows(1, 10, seed=6))
+    want = _decode(Engine.load(ckpt, mode="sparse", context=32, progress=False), ids)[0]
+    with tiered_units(ckpt, "30%", "float32", context=32, min_cold_slots=16, io="cached", progress=False) as store:
+        got, stats = _decode(Engine.load(ckpt, mode="sparse", context=32, units=store, progress=False), ids)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert stats["units"]["misses"] > 0
