@@ -149,6 +149,32 @@ def test_tied_halves_stay_tied_bit_for_bit_through_both_stages_and_a_resume(work
         run(tmp_path / "x", tied_halves=True, layerwise_init="split4")
 
 
+def test_a_tied_mlp_computes_the_first_halfs_products_with_the_same_output_and_gradients():
+    """Training ties the halves (tie_halves): each MLP then computes only the first half's gate and up products and
+    the hooks give the second half's rows the tied gradient, equal to what every row computed gives."""
+    model = convert_model(tiny_model("llama", layers=2), "drelu", halves=True)
+    for layer in model.model.layers:
+        layer.mlp.activation.threshold = 0.01
+    free = copy.deepcopy(model)
+    tie_halves(model)
+    tie_halves(free)
+    for layer in free.model.layers:
+        layer.mlp.tied = False  # the hooks, but every row computed
+    assert all(layer.mlp.tied for layer in model.model.layers)
+    ids = torch.tensor(random_windows(2, 16))
+    out, ref = model(ids).logits, free(ids).logits
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    for a, b in zip(model.parameters(), free.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-4)
+    mlp, half = model.model.layers[0].mlp, model.config.intermediate_size // 2
+    with torch.no_grad():
+        mlp.gate_proj.weight[half:] += 1.0  # the second half's rows are not read
+        torch.testing.assert_close(model(ids).logits, out, atol=0, rtol=0)
+    assert not any(layer.mlp.tied for layer in free.model.layers + convert_model(tiny_model("llama"), "drelu", halves=True).model.layers)
+
+
 def _thresholded_tied_halves(path):
     """A tiny model converted to tied halves, with thresholds so that some halves a pair's product passes are zeroed,
     saved at path; returns the model."""

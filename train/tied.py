@@ -17,6 +17,10 @@ negated for up). Starting tied, with equal (opposite) gradients and optimizer st
 A hook runs on each micro-step's gradient before it is accumulated, so data parallelism, which reduces the
 accumulated gradients, keeps it too (DeepSpeed and FSDP, which partition parameters, are refused up front);
 `untied_layers` checks the result before a checkpoint is written.
+
+A tied MLP also computes only the first half's gate and up products (`SparseMLP.tied`, the modeling code), so the
+second half's rows get no gradient of their own and the hooks give them the first half's. Only training sets it: a
+loaded model computes every row, whatever its weights.
 """
 
 import torch
@@ -55,6 +59,7 @@ def tie_halves(model) -> list:
                                "model or from a checkpoint trained with tied_halves: true, or set tied_halves: false")
     handles = []
     for mlp in _pairs(model):
+        mlp.tied = True
         handles.append(mlp.gate_proj.weight.register_hook(_tied_grad(1.0)))
         handles.append(mlp.up_proj.weight.register_hook(_tied_grad(-1.0)))
     return handles

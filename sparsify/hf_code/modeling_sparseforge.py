@@ -69,16 +69,25 @@ class GatedActivation(nn.Module):
 
 
 class SparseMLP(nn.Module):
-    """Gated MLP with the base architecture's key names. x: [B, S, H] -> [B, S, H]."""
+    """Gated MLP with the base architecture's key names. x: [B, S, H] -> [B, S, H].
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, activation: GatedActivation):
+    tied (off unless set; sparseforge's training sets it while it keeps the halves tied): the neurons are tied halves
+    (neuron I/2 + i has neuron i's gate row and minus its up row), so the first half's gate and up rows give every
+    neuron's pre-activations, half the products; the second half's rows are then not read."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, activation: GatedActivation, tied: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.activation = activation
+        self.tied = tied and not bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tied:
+            half = self.gate_proj.weight.shape[0] // 2
+            g, u = F.linear(x, self.gate_proj.weight[:half]), F.linear(x, self.up_proj.weight[:half])
+            return self.down_proj(self.activation(torch.cat([g, g], dim=-1), torch.cat([u, -u], dim=-1)))
         return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
 
 
