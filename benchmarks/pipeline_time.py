@@ -29,8 +29,10 @@ def read_run(run: Path) -> dict:
     stages = Record(path).stages
     if not stages:
         raise SparseforgeError(f"{path} records no finished stage; let `sparseforge run` finish a stage first")
+    records = read_metrics(metrics) if metrics.is_file() else []
+    last = [r for r in records if "val_loss" in r and "reference" not in r]  # the student's, not the teacher's reference
     return {"stages": [{"stage": name, "seconds": rec["seconds"], "finished": rec.get("finished")} for name, rec in stages.items()],
-            "train": training_seconds(read_metrics(metrics) if metrics.is_file() else [])}
+            "train": training_seconds(records), "val_loss": last[-1]["val_loss"] if last else None, "val_step": last[-1]["step"] if last else None}
 
 
 def table(data: dict) -> str:
@@ -64,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     cmd = "python benchmarks/pipeline_time.py " + " ".join(sys.argv[1:] if argv is None else argv)
     data = {"command": cmd, "environment": env, "run": str(args.run), **data}
     note = "Wall time of each stage of one `sparseforge run` (`pipeline.json`); the training stage's parts from its `metrics.jsonl`."
+    if data["val_loss"]:
+        losses = ", ".join(f"{k} {v:.3f}" for k, v in data["val_loss"].items())
+        note += f" Validation loss after step {data['val_step']}: {losses}."
     print(write_results(args.out, data, table(data) + "\n\n" + note)[1].read_text())
 
 

@@ -88,6 +88,7 @@ def test_pipeline_end_to_end_skip_and_resume(workspace, tmp_path, one_thread, ca
     assert parts["layerwise_seconds"] + parts["threshold_seconds"] + parts["steps_seconds"] <= train + 0.05
     shown = timing.table(spent)
     assert "| · 2 end-to-end steps |" in shown and f"| **all stages** | {sum(s['seconds'] for s in spent['stages']) / 60:.1f} |" in shown
+    assert spent["val_step"] == 2 and set(spent["val_loss"]) == {"web", "code", "math"}
 
     # nothing changed: every stage is skipped, also with the training data gone; a changed checkpoint re-runs what reads it
     (workspace / "data").rename(workspace / "data-moved")
