@@ -51,6 +51,11 @@ def time_stream(tokens) -> tuple[float, float, int]:
     return first - start, (n - 1) / (end - first) if n > 1 and end > first else float("nan"), n
 
 
+def mode_runs(mode: str, dtype: str) -> bool:
+    """Whether an engine mode runs at a weight dtype: int8 weights have no screen (their rows are what it reads)."""
+    return dtype != "int8" or mode != "screen"
+
+
 def median(values: list[float]) -> float | None:
     values = [v for v in values if v is not None and v == v]
     return statistics.median(values) if values else None

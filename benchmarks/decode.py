@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_CKPT, bytes_bound, markdown_table, median, mlp_bytes, ratios, setup, OUT_HELP, time_stream, write_results  # noqa: E402
+from common import DEFAULT_CKPT, bytes_bound, markdown_table, median, mlp_bytes, mode_runs, ratios, setup, OUT_HELP, time_stream, write_results  # noqa: E402
 from gguf_export import cached_gguf, original_smollm2_gguf  # noqa: E402
 from powerinfer_run import POWERINFER_TYPES, PowerInfer, parse_powerinfer_log, powerinfer_ggufs  # noqa: E402, F401
 
@@ -238,14 +238,14 @@ def build_contestants(args, ckpt: Path, notes: list[str], text: str, ggufs: list
     out = []
     for prec in args.precisions:
         dtype, hf_dtype, gguf_types = PRECISIONS[prec]
-        for mode in [m for m in args.modes if dtype != "int8" or m != "screen"]:  # int8: no screen
+        for mode in [m for m in args.modes if mode_runs(m, dtype)]:
             out.append((prec, Sparseforge(ckpt, mode, dtype, context, args.threads, args.predictor_dtype if mode == "sparse" else None, args.head != "full",
                                           sampling, args.kv_dtype)))
         if args.reference:  # the original's shape read densely, in the same alternation
             out.append((prec, ref := Sparseforge(Path(args.reference), "dense", dtype, context, args.threads, None, args.head != "full", sampling, args.kv_dtype)))
             ref.name, ref.mode = f"sparseforge dense, {_label(Path(args.reference))} (reference)", "reference"
         for path, mode in also_engines(args.also):  # another checkpoint's engines, in the same alternation
-            if dtype != "int8" or mode != "screen":
+            if mode_runs(mode, dtype):
                 out.append((prec, other := Sparseforge(path, mode, dtype, context, args.threads, None, args.head != "full", sampling, args.kv_dtype)))
                 other.name, other.mode = f"{other.name}, {_label(path)} (also)", "also"
         if args.head == "both" and dtype != "int8":  # int8 heads have no screen

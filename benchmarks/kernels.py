@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_CKPT, markdown_table, median, OUT_HELP, setup, write_results  # noqa: E402
+from common import DEFAULT_CKPT, markdown_table, median, mode_runs, OUT_HELP, setup, write_results  # noqa: E402
 
 from sparseforge.runtime.sizes import KV_DTYPE_CHOICES  # noqa: E402
 
@@ -137,7 +137,7 @@ def main() -> None:
     env, bandwidth = setup(args.threads)
     stream = [stream_matvec(DTYPES[d], args.threads, args.reps) for d in args.dtypes]
     breakdown = [decode_breakdown(Path(args.ckpt), m, d, args.threads, args.new_tokens, not args.full_head, args.prompt_tokens, kv)
-                 for d in args.dtypes for m in args.modes for kv in args.kv_dtypes if d != "int8" or m != "screen"]  # int8: no screen  # fmt: skip
+                 for d in args.dtypes for m in args.modes for kv in args.kv_dtypes if mode_runs(m, d)]  # fmt: skip
     t1 = markdown_table(stream, [("dtype", "weights", ""), ("ms", "ms / call", ".2f"), ("gb_s", "GB/s read", ".1f"), ("gmac_s", "GMAC/s", ".1f"),
                                  ("torch_ms", "PyTorch linear ms / call", ".2f"), ("torch_gb_s", "PyTorch GB/s read", ".1f")])  # fmt: skip
     t2 = markdown_table(breakdown, [("dtype", "weights", ""), ("mode", "mode", ""), *([("kv_dtype", "KV cache", "")] if len(args.kv_dtypes) > 1 else []),

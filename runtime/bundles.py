@@ -76,8 +76,9 @@ def _order_kind(ckpt: Path) -> str:
 def _file_order(ckpt: Path, layers: int, experts: int, width: int) -> tuple[torch.Tensor, str]:
     """[L, E, I] neuron ids in file order: by placement rank (runtime/plan.py placement_ranks: profile frequency,
     or pair frequency with a pair's halves adjacent; highest first, ties lower id), else identity."""
-    if _order_kind(ckpt).startswith("identity"):
-        return torch.arange(width).expand(layers, experts, width), _order_kind(ckpt)
+    kind = _order_kind(ckpt)
+    if kind.startswith("identity"):
+        return torch.arange(width).expand(layers, experts, width), kind
     from sparseforge.predictors.profile import load_profile
 
     counts = load_profile(ckpt)[0]["counts"]
@@ -284,7 +285,7 @@ class BundleFile:
         one read, each run widened to ALIGN boundaries for O_DIRECT."""
         row = self.unit_rows[(layer, expert)]
         positions = np.asarray(positions, dtype=np.int64)
-        rec, align = row.get("record_bytes", self.record), (ALIGN if self.io == "direct" else 1)
+        rec, align = self.record_bytes(layer, expert), (ALIGN if self.io == "direct" else 1)
         starts = row["offset"] + positions * rec
         sort = np.argsort(starts, kind="stable")
         s = starts[sort]
@@ -345,7 +346,7 @@ class BundleFile:
             if got != crcs[p]:
                 raise SparseforgeError(
                     f"bundle file {self.path}: record {p} of layer {row['layer']} expert {row['expert']} (byte "
-                    f"{row['offset'] + p * row.get('record_bytes', self.record)}) fails its CRC32 (stored {crcs[p]:08x}, read {got:08x}): "
+                    f"{row['offset'] + p * self.record_bytes(row['layer'], row['expert'])}) fails its CRC32 (stored {crcs[p]:08x}, read {got:08x}): "
                     f"the file is corrupted; {self.fix}"
                 )
         seen[positions[todo]] = True

@@ -70,7 +70,7 @@ def placement_ranks(ckpt: str | Path, counts: torch.Tensor) -> tuple[torch.Tenso
     so each half ranks as its pair, by the halves' summed counts (at most one half of a tied pair fires), ties
     broken by the lower pair index. The two halves of a pair then sit next to each other in every ranking, and a
     cut after an even number of neurons keeps or drops both."""
-    counts = counts.to(torch.int64)
+    counts = counts.to(torch.int64, copy=True)  # callers mark excluded neurons in the ranks, never in the profile's counts
     if not pair_predictors(ckpt):
         return counts, "profile frequency"
     half = counts.shape[-1] // 2

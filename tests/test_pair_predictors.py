@@ -217,6 +217,8 @@ def test_pairs_are_placed_whole_and_a_cold_pair_is_one_record(trained, tmp_path,
     (ckpt / "predictors.json").write_text(json.dumps({**report, "pairs": False}))
     assert not bundles_up_to_date(ckpt, dtype)  # neuron predictors want the profile's order and neuron records: rebuilt
     assert make_plan(ckpt, PlanRequest(parse_size("30%"), context=32, dtype=dtype))["ranked_by"] == "profile frequency"
+    excluded = make_plan(ckpt, PlanRequest(parse_size("30%"), context=32, dtype=dtype), exclude={0: list(range(8))})
+    assert excluded["profile"]["firings_per_token"] == plan["profile"]["firings_per_token"]  # ranks marked, not the profile
 
 
 def test_a_unit_whose_halves_are_not_tied_keeps_neuron_records(trained, tmp_path):

@@ -75,13 +75,13 @@ class SparseMLP(nn.Module):
     (neuron I/2 + i has neuron i's gate row and minus its up row), so the first half's gate and up rows give every
     neuron's pre-activations, half the products; the second half's rows are then not read."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, activation: GatedActivation, tied: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, activation: GatedActivation):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.activation = activation
-        self.tied = tied and not bias
+        self.tied = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tied:
