@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from sparseforge.errors import SparseforgeError
-from sparseforge.runtime.units import Request, convert_bundles, make_bundles
+from sparseforge.runtime.units import Request, convert_bundles, make_bundles, tied_bundles
 from sparseforge.runtime.weights import WEIGHT_DTYPES, Linear, convert
 
 
@@ -81,16 +81,19 @@ def cpu_plan(ckpt, fast_memory: str, device_memory: str | None, weight_dtype: st
 
 
 class ColdBundles:
-    """The CPU's part of a unit when every cold neuron is in memory: their bundles [c, 3, H] in slots 0..c-1, requested
-    by neuron id (runtime/units.py's contract)."""
+    """The CPU's part of a unit when every cold neuron is in memory: their bundles [c, 3, H] in slots 0..c-1 (the order
+    of `cold_ids`), requested by neuron id (runtime/units.py's contract). tied_slots = k > 0: cold_ids begin with the
+    first halves of k tied pairs whose halves are both cold, then their second halves in the same order (`cold_layout`),
+    so runtime/mlp.py computes such a pair from one gate and one up row."""
 
     local = None  # the SplitUnit around it says which neurons are its
     tied = False  # only the cold neurons are held
 
-    def __init__(self, layer: int, expert: int, cold_ids: torch.Tensor, bundles: torch.Tensor, scales, channels, intermediate: int):
+    def __init__(self, layer: int, expert: int, cold_ids: torch.Tensor, bundles: torch.Tensor, scales, channels, intermediate: int,
+                 tied_slots: int = 0):
         self.layer, self.expert = layer, expert
         self.bundles, self.scales, self.channels = bundles, scales, channels
-        self.intermediate, self.hidden = intermediate, bundles.shape[-1]
+        self.intermediate, self.hidden, self.tied_slots = intermediate, bundles.shape[-1], tied_slots
         self.capacity = max(int(cold_ids.numel()), 1)
         self.fixed_slots = torch.full((intermediate,), -1, dtype=torch.long)  # [I] a neuron's slot, -1: the device's
         self.fixed_slots[cold_ids] = torch.arange(cold_ids.numel())
@@ -138,6 +141,10 @@ class SplitUnit:
     def fixed_slots(self) -> torch.Tensor | None:
         return self.inner.fixed_slots
 
+    @property
+    def tied_slots(self) -> int:
+        return self.inner.tied_slots
+
     def request(self, neurons: torch.Tensor) -> Request:
         return self.inner.request(neurons)
 
@@ -175,13 +182,27 @@ class SplitUnits:
             return SplitUnit(hot, gate_up, down_hot, self.store(layer, expert, reader))
         cold = torch.ones(gate.shape[0], dtype=torch.bool)
         cold[hot] = False
-        ids = cold.nonzero().flatten()
+        ids, k = cold_layout(cold)
         parts = convert_bundles(make_bundles(gate[ids], up[ids], down[:, ids]), WEIGHT_DTYPES[reader.weight_dtype])
-        return SplitUnit(hot, gate_up, down_hot, ColdBundles(layer, expert, ids, *parts, gate.shape[0]))
+        if k and not tied_bundles(parts[0][: 2 * k], None if parts[1] is None else parts[1][: 2 * k]):
+            ids, k = cold.nonzero().flatten(), 0  # not tied halves: the cold neurons in id order
+            parts = convert_bundles(make_bundles(gate[ids], up[ids], down[:, ids]), WEIGHT_DTYPES[reader.weight_dtype])
+        return SplitUnit(hot, gate_up, down_hot, ColdBundles(layer, expert, ids, *parts, gate.shape[0], tied_slots=k))
 
     def stats(self) -> dict:
         """The neuron store's counters (runtime/store.py), when the cold neurons live on disk."""
         return self.store.stats() if self.store is not None else {}
+
+
+def cold_layout(cold: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """cold: bool [I] -> (the cold neuron ids in slot order, k): the k pairs (j, I/2 + j) with both halves cold, first
+    halves ascending then their second halves, then the other cold neurons ascending. Checked against the weights by
+    the caller: only tied halves (runtime/units.py tied_bundles) are computed a pair at a time."""
+    half = cold.shape[0] // 2
+    whole = (cold[:half] & cold[half : 2 * half]).nonzero().flatten() if cold.shape[0] % 2 == 0 else torch.zeros(0, dtype=torch.long)
+    rest = cold.clone()
+    rest[whole], rest[whole + half] = False, False
+    return torch.cat([whole, whole + half, rest.nonzero().flatten()]), int(whole.numel())
 
 
 def _device_linear(w: torch.Tensor, weight_dtype: str, device: torch.device, threads: int, native: bool) -> Linear:

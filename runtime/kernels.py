@@ -43,7 +43,7 @@ _SIGNATURES = {
     "sf_matvec": (_int, [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p, _int]),
     "sf_predict": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _i64, _p, _f32, _p, _p, _int]),
     "sf_sparse_mlp": (_int, [_p, _p, _p, _int, _i64, _p, _i64, _i64, _p, _int, _f32, _f32, _p, _p, _int]),
-    "sf_predict_mlp": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _int, _p, _f32, _p, _p, _p, _p, _p, _p, _int, _i64, _p, _int, _f32, _f32, _p, _p, _p, _int]),
+    "sf_predict_mlp": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _int, _p, _f32, _p, _p, _p, _p, _p, _p, _int, _i64, _p, _int, _f32, _f32, _p, _p, _i64, _p, _int]),
     "sf_gated_act": (_i64, [_p, _i64, _int, _f32, _p]),
     "sf_mlp_screen": (_i64, [_p, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _p, _int, _f32, _p, _p, _p, _int, _int]),
     "sf_attention_decode": (None, [_p, _p, _p, _p, _f32, _i64, _p, _p, _p, _p, _p, _p, _int, _p, _p, _p, _p, _p, _p, _int, _i64, _i64, _i64, _i64, _i64, _i64, _p, _int]),
@@ -223,16 +223,19 @@ def sparse_mlp_native(bundles: torch.Tensor, scales: torch.Tensor | None, channe
 def predict_mlp_native(fc1: Weights, fc2t: Weights, p_threshold: float, resid: torch.Tensor, slot_of: torch.Tensor, ids: torch.Tensor,
                        scratch: torch.Tensor, bundles: torch.Tensor, scales: torch.Tensor | None, channels: torch.Tensor | None, x: torch.Tensor,
                        activation: GatedActivation, y: torch.Tensor, out_scale: float, counts: torch.Tensor, seconds: ctypes.c_double, threads: int,
-                       pairs: bool = False) -> int:
+                       pairs: bool = False, tied_slots: int = 0) -> int:
     """predict_native's neurons of resid [H] (pairs: both halves of each predicted pair), those with slot_of[id] >= 0
     (slot_of: int64 [I], a neuron's slot in bundles, < 0 for one computed elsewhere), then sparse_mlp_native over their
     slots into y, in one native call; ids: int64 [I] scratch; seconds += the predictor's seconds. Returns the number of
-    neurons computed."""
+    neurons computed. tied_slots (pairs only): slots 0..k-1 hold the first halves of k tied pairs, k..2k-1 their second
+    halves in the same order (runtime/units.py MLPUnit.tied_slots); a predicted pair there is computed from one gate and
+    one up row."""
     (w1, s1), (w2, s2) = fc1, fc2t
     n = native().sf_predict_mlp(
         w1.data_ptr(), ptr(s1), w2.data_ptr(), ptr(s2), DTYPE_CODES[w1.dtype], w1.shape[0], w2.shape[1], int(pairs), resid.data_ptr(), p_threshold,
         slot_of.data_ptr(), ids.data_ptr(), scratch.data_ptr(), bundles.data_ptr(), ptr(scales), ptr(channels), DTYPE_CODES[bundles.dtype],
-        bundles.shape[-1], x.data_ptr(), ACT_CODES[activation.kind], activation.threshold, out_scale, y.data_ptr(), counts.data_ptr(), ctypes.byref(seconds), threads,
+        bundles.shape[-1], x.data_ptr(), ACT_CODES[activation.kind], activation.threshold, out_scale, y.data_ptr(), counts.data_ptr(),
+        tied_slots if pairs else 0, ctypes.byref(seconds), threads,
     )  # fmt: skip
     if n < 0:
         raise MemoryError(f"sf_predict_mlp could not allocate its lists for the neurons of a {bundles.shape[0]}-slot unit")

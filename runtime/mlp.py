@@ -94,6 +94,8 @@ class SparseMLP:
         elif unit.tied:  # every pair of a resident unit of tied halves
             return self._tied_row(unit, self._all_neurons(I // 2), xn, act, y, scale)
         neurons = self._computed(unit, neurons)
+        if unit.tied_slots and unit.fixed_slots is not None:  # a hybrid CPU part holding whole tied pairs
+            return self._cold_pairs_row(unit, neurons, xn, act, y, scale)
         for chunk in unit.order(neurons).split(unit.capacity) if neurons.numel() > unit.capacity else (neurons,):
             req = unit.request(chunk)
             kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, req.ready_slots, xn, act, y, scale, counts, threads)
@@ -109,13 +111,28 @@ class SparseMLP:
         kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, pairs, xn, act, y, scale, self.meter.rows_read, self.model.threads, tied=True)
         self.meter.native_mlp(2 * pairs.numel(), unit.intermediate, row_bytes(unit))
 
+    def _cold_pairs_row(self, unit, neurons: torch.Tensor, xn: torch.Tensor, act, y: torch.Tensor, scale: float) -> None:
+        """y += scale * MLP(xn) over `neurons` of a unit whose fixed slots begin with k whole tied pairs (MLPUnit.tied_slots):
+        a pair with a chosen half from one gate and one up row (its other half too, from the same rows: the screen or the
+        oracle chose it whenever it can fire, so the sum is the same), the other neurons one by one."""
+        k, slots = unit.tied_slots, unit.fixed_slots[neurons]
+        paired = slots < 2 * k
+        pairs = torch.unique(slots[paired] % k)  # ascending
+        lone = slots[~paired]
+        threads, counts = self.model.threads, self.meter.rows_read
+        kernels.sparse_mlp_native(unit.bundles[: 2 * k], None if unit.scales is None else unit.scales[: 2 * k], unit.channels, pairs, xn, act, y, scale,
+                                  counts, threads, tied=True)  # fmt: skip
+        kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, lone, xn, act, y, scale, counts, threads)
+        self.meter.native_mlp(neurons.numel(), _width(unit), row_bytes(unit))
+
     def _predict_mlp_row(self, layer: int, expert: int, p, unit, xn: torch.Tensor, resid: torch.Tensor, scale: float, y: torch.Tensor) -> None:
         """_native_row's sparse mode with predictor p for a unit whose neurons have fixed slots (a hybrid engine's CPU
         part): predictor and kernel in one native call, no PyTorch op between them."""
         ids, scratch = self._predictor_buffers(layer, expert, p, unit.intermediate)
         before = self._seconds.value
         n = kernels.predict_mlp_native(p.fc1, p.fc2t, p.threshold, resid, unit.fixed_slots, ids, scratch, unit.bundles, unit.scales, unit.channels, xn,
-                                       self.model.activations[layer], y, scale, self.meter.rows_read, self._seconds, self.model.threads, p.pairs)  # fmt: skip
+                                       self.model.activations[layer], y, scale, self.meter.rows_read, self._seconds, self.model.threads, p.pairs,
+                                       unit.tied_slots)  # fmt: skip
         self.meter.predictor(self._seconds.value - before)
         self.meter.native_mlp(n, _width(unit), row_bytes(unit))
 

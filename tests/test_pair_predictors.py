@@ -163,6 +163,36 @@ def test_the_fused_predictor_and_mlp_call_takes_both_halves_of_each_predicted_pa
     assert n == neurons.numel() == 2 * pairs.numel() > 0 and torch.equal(y, want)
 
 
+@pytest.mark.skipif(not NATIVE, reason="native kernels did not build")
+@pytest.mark.parametrize("mode,dtype", [("sparse", "float32"), ("oracle", "float32"), ("screen", "float32"), ("sparse", "int8"), ("oracle", "int8")])
+def test_a_hybrid_cpu_part_computes_its_whole_cold_pairs_a_pair_at_a_time(trained, mode, dtype, monkeypatch):
+    """A hybrid engine's CPU part lays out the tied pairs it holds whole first (runtime/hybrid.py cold_layout) and
+    computes each from one gate and one up row (the fused predictor call's tied slots; the tied kernel for the screen's
+    and the oracle's neurons): the logits of the CPU part computing every half alone, the same neurons, fewer rows read."""
+    from sparseforge.runtime import hybrid
+
+    ckpt, ids = trained[0], torch.tensor(random_windows(1, 12, seed=6))
+    runs = {}
+    for layout in ("pairs", "neurons"):
+        if layout == "neurons":
+            monkeypatch.setattr(hybrid, "cold_layout", lambda cold: (cold.nonzero().flatten(), 0))
+        engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=32, progress=False, device="cpu", device_memory="30%")
+        units = [lw.units[0] for lw in engine.model.weights.layers]
+        if layout == "pairs":
+            assert all(0 < u.tied_slots < u.intermediate // 2 for u in units)
+            for u in units:  # slots 0..k-1 and k..2k-1: the two halves of k cold pairs, in the same order
+                k, slot_of = u.tied_slots, u.fixed_slots
+                first = torch.argsort(slot_of)[-(u.local_ids.numel()) :][:k]
+                assert torch.equal(slot_of[first + u.intermediate // 2], torch.arange(k, 2 * k))
+        else:
+            assert not any(u.tied_slots for u in units)
+        runs[layout] = _decode(engine, ids)
+    (got, a), (want, b) = runs["pairs"], runs["neurons"]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert a["decode_neurons_computed_fraction"] == pytest.approx(b["decode_neurons_computed_fraction"])
+    assert a["bytes_touched_per_decode_token"] < b["bytes_touched_per_decode_token"]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_pairs_are_placed_whole_and_a_cold_pair_is_one_record(trained, tmp_path, dtype):
     """With pair predictors a plan holds whole pairs, ranked by the halves' summed counts; the bundle file holds one
