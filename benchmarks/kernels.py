@@ -11,6 +11,8 @@
    the head per token (ms/token, median token time over --new-tokens greedy steps, Engine.decode). "MLP" is
    the sparse MLP kernel, or for the dense mode its gate_up and down matvecs and activation; "head" is the lm_head's
    int8 screen and its candidate rows (float heads; runtime/head.py), or the whole lm_head (int8, or --full-head).
+   "MLP MB read" per token: the gate rows, up rows and down columns the sparse kernel read (the engine's counters),
+   or for the dense mode every MLP weight; "MLP GB/s" is that over the MLP's time, to set beside the streaming rate.
 """
 
 import argparse
@@ -96,6 +98,7 @@ def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens
         engine.forward(torch.randint(0, engine.config.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0)), cache)
         token, steps = 1, []
         totals.clear()
+        rows_before = engine.meter.rows_read.clone()
         before = list(lean.seconds) if lean else None
         for _ in range(new_tokens):
             start = time.perf_counter()
@@ -111,6 +114,11 @@ def decode_breakdown(ckpt: Path, mode: str, dtype: str, threads: int, new_tokens
            "ms_token": 1000 * sum(steps) / new_tokens}  # fmt: skip
     for name in ("sf_attention_decode", "lm_head", "predict_native", "sparse_mlp_native"):
         row[name] = 1000 * totals.get(name, 0.0) / new_tokens
+    if mode == "dense":  # every MLP weight, once per token
+        row["mlp_mb"] = sum(m.nbytes for lw in engine.model.weights.layers for mats in lw.dense for m in mats) / 1e6
+    else:  # the rows the sparse kernel read (gate rows, up rows, down columns)
+        row["mlp_mb"] = int((engine.meter.rows_read - rows_before).sum()) * engine.meter.row_bytes / new_tokens / 1e6
+    row["mlp_gb_s"] = row["mlp_mb"] / row["sparse_mlp_native"] if row["sparse_mlp_native"] else None  # MB per ms
     row["other"] = row["ms_token"] - sum(row[n] for n in ("sf_attention_decode", "lm_head", "predict_native", "sparse_mlp_native"))
     return row
 
@@ -144,7 +152,7 @@ def main() -> None:
                                     ("tok_s", "decode tok/s", ".1f"),
                                     ("sf_attention_decode", "attention ms", ".2f"), ("head", "head", ""), ("lm_head", "head ms", ".2f"),
                                     ("predict_native", "predictor ms", ".2f"), ("sparse_mlp_native", "MLP ms", ".2f"),
-                                    ("other", "other ms", ".2f")])  # fmt: skip
+                                    ("mlp_mb", "MLP MB read", ".1f"), ("mlp_gb_s", "MLP GB/s", ".1f"), ("other", "other ms", ".2f")])  # fmt: skip
     table = (f"Streaming `sf_matvec` (float32: and PyTorch's linear, alternating), [49152, 576], 6 matrices round robin, median of {args.reps} calls:\n\n{t1}\n\n"
              f"Decode, ms per token ({args.new_tokens} greedy steps after a {args.prompt_tokens}-token prompt):\n\n{t2}\n\n"
              f"read bandwidth {bandwidth['read_gbs']:.1f} GB/s ({args.threads} threads)")  # fmt: skip
