@@ -177,6 +177,8 @@ class SparseMLP:
             keep = keep & unit.local
         if unit.tied:
             return self._tied_rows(layer, unit, x, keep)
+        if unit.tied_slots and unit.fixed_slots is not None:
+            return self._cold_pairs_rows(layer, unit, x, keep)
         neurons = self._computed(unit, None) if keep is None else keep.any(0).nonzero().flatten()
         y = torch.zeros_like(x)
         act, fired = self.model.activations[layer], 0
@@ -201,6 +203,21 @@ class SparseMLP:
         computed = int(keep.sum()) if keep is not None else x.shape[0] * unit.intermediate
         self.meter.mlp(computed, x.shape[0] * unit.intermediate, int((h != 0).sum()), 4 * pairs.numel() * row_bytes(unit))
         return y
+
+    def _cold_pairs_rows(self, layer: int, unit, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """_rows over a hybrid CPU part holding k whole tied pairs first (MLPUnit.tied_slots): the pairs with a chosen
+        half a pair at a time, the other chosen neurons one by one."""
+        k, half, act = unit.tied_slots, unit.intermediate // 2, self.model.activations[layer]
+        neurons = unit.local_ids if keep is None else keep.any(0).nonzero().flatten()
+        paired = unit.fixed_slots[neurons] < 2 * k
+        firsts, lone = torch.unique(neurons[paired] % half), neurons[~paired]  # the pairs by their first halves (ascending slots)
+        y, h = kernels.tied_mlp_torch(unit.bundles[: 2 * k], None if unit.scales is None else unit.scales[: 2 * k], unit.channels,
+                                      unit.fixed_slots[firsts], x, act, None if keep is None else torch.cat([keep[:, firsts], keep[:, firsts + half]], dim=1))  # fmt: skip
+        part, h2 = kernels.sparse_mlp_torch(unit.bundles, unit.scales, unit.channels, unit.fixed_slots[lone], x, act, None if keep is None else keep[:, lone])
+        computed = int(keep.sum()) if keep is not None else x.shape[0] * neurons.numel()
+        fired = int((h != 0).sum()) + int((h2 != 0).sum())
+        self.meter.mlp(computed, x.shape[0] * _width(unit), fired, (4 * firsts.numel() + 3 * lone.numel()) * row_bytes(unit))
+        return y + part
 
     def _computed(self, unit, neurons: torch.Tensor | None) -> torch.Tensor:
         """The neurons computed through this unit of those chosen (None: all): its `local` ones (runtime/units.py)."""

@@ -168,11 +168,13 @@ def test_the_fused_predictor_and_mlp_call_takes_both_halves_of_each_predicted_pa
 def test_a_hybrid_cpu_part_computes_its_whole_cold_pairs_a_pair_at_a_time(trained, mode, dtype, monkeypatch):
     """A hybrid engine's CPU part lays out the tied pairs it holds whole first (runtime/hybrid.py cold_layout) and
     computes each from one gate and one up row (the fused predictor call's tied slots; the tied kernel for the screen's
-    and the oracle's neurons): the logits of the CPU part computing every half alone, the same neurons, fewer rows read."""
+    and the oracle's neurons; tied_mlp_torch for several rows): the logits of the CPU part computing every half alone,
+    decode and prefill, the same neurons, fewer rows read."""
     from sparseforge.runtime import hybrid
 
     ckpt, ids = trained[0], torch.tensor(random_windows(1, 12, seed=6))
-    runs = {}
+    runs, tied_calls, real = {}, [], kernels.tied_mlp_torch
+    monkeypatch.setattr(kernels, "tied_mlp_torch", lambda *a: tied_calls.append(1) or real(*a))
     for layout in ("pairs", "neurons"):
         if layout == "neurons":
             monkeypatch.setattr(hybrid, "cold_layout", lambda cold: (cold.nonzero().flatten(), 0))
@@ -186,9 +188,12 @@ def test_a_hybrid_cpu_part_computes_its_whole_cold_pairs_a_pair_at_a_time(traine
                 assert torch.equal(slot_of[first + u.intermediate // 2], torch.arange(k, 2 * k))
         else:
             assert not any(u.tied_slots for u in units)
-        runs[layout] = _decode(engine, ids)
-    (got, a), (want, b) = runs["pairs"], runs["neurons"]
+        calls = len(tied_calls)
+        runs[layout] = (*_decode(engine, ids), engine.forward(ids, engine.new_cache(1)))
+        assert (len(tied_calls) > calls) == (layout == "pairs")  # the prefill's rows
+    (got, a, got_prefill), (want, b, want_prefill) = runs["pairs"], runs["neurons"]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_prefill, want_prefill, atol=1e-5, rtol=1e-5)
     assert a["decode_neurons_computed_fraction"] == pytest.approx(b["decode_neurons_computed_fraction"])
     assert a["bytes_touched_per_decode_token"] < b["bytes_touched_per_decode_token"]
 
