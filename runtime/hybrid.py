@@ -88,6 +88,7 @@ class ColdBundles:
 
     local = None  # the SplitUnit around it says which neurons are its
     tied = False  # only the cold neurons are held
+    pairs = False  # whole tied pairs: `tied_slots`
 
     def __init__(self, layer: int, expert: int, cold_ids: torch.Tensor, bundles: torch.Tensor, scales, channels, intermediate: int,
                  tied_slots: int = 0):
@@ -144,6 +145,10 @@ class SplitUnit:
     @property
     def tied_slots(self) -> int:
         return self.inner.tied_slots
+
+    @property
+    def pairs(self) -> bool:
+        return self.inner.pairs
 
     def request(self, neurons: torch.Tensor) -> Request:
         return self.inner.request(neurons)

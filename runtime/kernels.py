@@ -42,7 +42,7 @@ _int = ctypes.c_int
 _SIGNATURES = {
     "sf_matvec": (_int, [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p, _int]),
     "sf_predict": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _i64, _p, _f32, _p, _p, _int]),
-    "sf_sparse_mlp": (_int, [_p, _p, _p, _int, _i64, _p, _i64, _i64, _p, _int, _f32, _f32, _p, _p, _int]),
+    "sf_sparse_mlp": (_int, [_p, _p, _p, _int, _i64, _p, _i64, _i64, _p, _p, _int, _f32, _f32, _p, _p, _int]),
     "sf_predict_mlp": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _int, _p, _f32, _p, _p, _p, _p, _p, _p, _int, _i64, _p, _int, _f32, _f32, _p, _p, _i64, _p, _int]),
     "sf_gated_act": (_i64, [_p, _i64, _int, _f32, _p]),
     "sf_mlp_screen": (_i64, [_p, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _p, _int, _f32, _p, _p, _p, _int, _int]),
@@ -202,19 +202,21 @@ def predict_torch(fc1: Weights, fc2t: Weights, threshold: float, x: torch.Tensor
 
 
 def sparse_mlp_native(bundles: torch.Tensor, scales: torch.Tensor | None, channels: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor,
-                      activation: GatedActivation, y: torch.Tensor, out_scale: float, counts: torch.Tensor, threads: int, tied: bool = False) -> None:
+                      activation: GatedActivation, y: torch.Tensor, out_scale: float, counts: torch.Tensor, threads: int, tied: bool = False,
+                      second: torch.Tensor | None = None) -> None:
     """y [H] += out_scale * sum over `slots` of act(gate . x, up . x) * down for one row x [H] (float32,
     contiguous); bundles [S, 3, H] (int8: with row scales [S, 3] and the down columns' channel scales [H]).
     counts (int64 [3]) += (gate rows read, up rows read, neurons fired = down columns read): a neuron whose gate
     already zeroes the activation reads neither of the last two.
     tied: bundles [I, 3, H] are tied halves at slot = neuron (runtime/units.py tied_bundles) and `slots` are pairs
     (ascending, < I/2): neurons slots and slots + I/2, from one gate and one up row per pair; over every pair, bit for
-    bit the call over all I neurons."""
+    bit the call over all I neurons. second: the pairs' second halves' slots [n] (int64), for tied halves in any two
+    slots (`slots` then holds the first halves'); None: slots + I/2."""
     slots = slots if slots.dtype == torch.long and slots.is_contiguous() else slots.long().contiguous()
     rc = native().sf_sparse_mlp(
         bundles.data_ptr(), ptr(scales), ptr(channels), DTYPE_CODES[bundles.dtype], bundles.shape[-1], slots.data_ptr(), slots.numel(),
-        bundles.shape[0] // 2 if tied else 0, x.data_ptr(), ACT_CODES[activation.kind], activation.threshold, out_scale, y.data_ptr(),
-        counts.data_ptr(), threads,
+        (1 if second is not None else bundles.shape[0] // 2) if tied or second is not None else 0, ptr(second), x.data_ptr(),
+        ACT_CODES[activation.kind], activation.threshold, out_scale, y.data_ptr(), counts.data_ptr(), threads,
     )  # fmt: skip
     if rc != 0:
         raise MemoryError(f"sf_sparse_mlp could not allocate its lists for {slots.numel()} {'pairs' if tied else 'neurons'}")

@@ -16,6 +16,7 @@ decode step reads half the gate and up rows.
 import ctypes
 import time
 
+import numpy as np
 import torch
 
 from sparseforge.predictors.model import either_half
@@ -83,7 +84,7 @@ class SparseMLP:
         if p is not None and unit.fixed_slots is not None:
             self._predict_mlp_row(layer, expert, p, unit, xn, resid, scale, y)
             return
-        act, threads, counts = self.model.activations[layer], self.model.threads, self.meter.rows_read
+        act = self.model.activations[layer]
         if p is not None:
             neurons = self._predict_row(layer, expert, p, resid, I)
             if p.pairs and unit.tied:  # the predicted pairs of a resident unit of tied halves
@@ -96,14 +97,37 @@ class SparseMLP:
         neurons = self._computed(unit, neurons)
         if unit.tied_slots and unit.fixed_slots is not None:  # a hybrid CPU part holding whole tied pairs
             return self._cold_pairs_row(unit, neurons, xn, act, y, scale)
+        compute = self._record_pairs if unit.pairs else self._neurons
         for chunk in unit.order(neurons).split(unit.capacity) if neurons.numel() > unit.capacity else (neurons,):
             req = unit.request(chunk)
-            kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, req.ready_slots, xn, act, y, scale, counts, threads)
-            _, slots = req.wait()
+            compute(unit, req.ready_neurons, req.ready_slots, xn, act, y, scale)
+            ids, slots = req.wait()
             if slots.numel():
-                kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, slots, xn, act, y, scale, counts, threads)
+                compute(unit, ids, slots, xn, act, y, scale)
             req.release()
         self.meter.native_mlp(neurons.numel(), _width(unit), row_bytes(unit))
+
+    def _neurons(self, unit, ids: torch.Tensor, slots: torch.Tensor, xn: torch.Tensor, act, y: torch.Tensor, scale: float) -> None:
+        """y += scale * MLP(xn) over the neurons at `slots`, one by one."""
+        kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, slots, xn, act, y, scale, self.meter.rows_read, self.model.threads)
+
+    def _record_pairs(self, unit, ids: torch.Tensor, slots: torch.Tensor, xn: torch.Tensor, act, y: torch.Tensor, scale: float) -> None:
+        """_neurons for a unit whose neurons come from pair records (MLPUnit.pairs): the pairs with both halves among
+        `ids` from one gate and one up row (their halves' slots, any two), the other neurons one by one."""
+        half, i, s = unit.intermediate // 2, ids.numpy(), slots.numpy()
+        first = i < half
+        _, a, b = np.intersect1d(i[first], i[~first] - half, assume_unique=True, return_indices=True)
+        if not a.size:
+            return self._neurons(unit, ids, slots, xn, act, y, scale)
+        firsts, seconds = s[first][a], s[~first][b]
+        lone = np.ones(i.size, dtype=bool)
+        lone[np.flatnonzero(first)[a]] = False
+        lone[np.flatnonzero(~first)[b]] = False
+        threads, counts = self.model.threads, self.meter.rows_read
+        kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, torch.from_numpy(firsts), xn, act, y, scale, counts, threads,
+                                  second=torch.from_numpy(seconds))  # fmt: skip
+        if lone.any():
+            kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, torch.from_numpy(s[lone]), xn, act, y, scale, counts, threads)
 
     def _tied_row(self, unit, pairs: torch.Tensor, xn: torch.Tensor, act, y: torch.Tensor, scale: float) -> None:
         """y += scale * MLP(xn) over both halves of `pairs` (ascending, < I/2) of a resident unit of tied halves, from one

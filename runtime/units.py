@@ -68,6 +68,7 @@ class MLPUnit(Protocol):
     fixed_slots: torch.Tensor | None  # int64 [I]: each neuron's slot in bundles, always resident (-1: not local); None: ask request
     tied: bool  # tied halves, all resident at slot = neuron, computed a pair at a time (several rows, or every neuron of one)
     tied_slots: int  # k > 0: fixed slots 0..k-1 hold the first halves of k tied pairs, k..2k-1 their second halves in the same order
+    pairs: bool  # neurons come from one-record pairs of tied halves (a neuron store): any two slots holding j and I/2 + j are tied
 
     def request(self, neurons: torch.Tensor) -> Request: ...
 
@@ -134,6 +135,7 @@ class ResidentUnit:
 
     local = None
     fixed_slots = None
+    pairs = False  # tied halves sit at slot = neuron: `tied`
 
     def __init__(self, layer: int, expert: int, bundles: torch.Tensor, scales: torch.Tensor | None = None, channels: torch.Tensor | None = None):
         self.layer, self.expert = layer, expert

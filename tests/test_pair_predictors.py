@@ -202,7 +202,8 @@ def test_a_hybrid_cpu_part_computes_its_whole_cold_pairs_a_pair_at_a_time(traine
 def test_pairs_are_placed_whole_and_a_cold_pair_is_one_record(trained, tmp_path, dtype):
     """With pair predictors a plan holds whole pairs, ranked by the halves' summed counts; the bundle file holds one
     record per pair (gate, up, both down columns), from which either half's bundle is exactly the resident one, so the
-    neuron store reads a cold pair as one record, and its decode is the resident engine's."""
+    neuron store reads a cold pair as one record and computes a pair from one gate and one up row, and its decode is
+    the resident engine's."""
     from sparseforge.predictors.profile import load_profile
     from sparseforge.runtime.bundles import bundles_up_to_date
     from sparseforge.runtime.plan import PlanRequest, make_plan
@@ -243,6 +244,8 @@ def test_pairs_are_placed_whole_and_a_cold_pair_is_one_record(trained, tmp_path,
         got, stats = _decode(engine, ids)
         s = stats["units"]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        if NATIVE:  # a predicted pair whose halves are both in the arena is computed from one gate row
+            assert 0 < int(engine.meter.rows_read[0]) < engine.meter.decode_computed
         assert s["misses"] > 0 and s["record_bytes"] == s["records_read"] * pair_bytes and s["misses"] <= 2 * s["records_read"]
         assert s["record_bytes"] < s["misses"] * neuron_bytes(H, dtype) and s["reads"] <= s["records_read"]
         hot = store.hot[(0, 0)].tolist()

@@ -749,6 +749,8 @@ static SF_INLINE void block_rows(const char *base, int64_t bundle_bytes, int64_t
  * (the float dot of -u is minus that of u, so each half's activation is the one computed from its own rows), and the
  * fired list is the first halves' then the second halves', each ascending: over slots 0..tied-1 of a resident unit
  * that is the order sf_sparse_mlp over all 2 tied slots fires them in, so the sums are the same, bit for bit.
+ * second (tied only, else NULL): the second halves' slots [n], for pairs whose halves sit in any two slots (a neuron
+ * store's cache); NULL: slot + tied.
  *
  * Three passes, each over a list known before it starts, so every pass prefetches the rows SF_MLP_AHEAD entries
  * ahead while it computes a block of 4 (one block ahead left a thread waiting on memory: the rows are pieces of
@@ -758,7 +760,7 @@ static SF_INLINE void block_rows(const char *base, int64_t bundle_bytes, int64_t
  * thread count). A single pass that decided up and down per block of 4 waited on memory twice per block. */
 static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, const float *channels, const int dtype, int64_t hidden, const int64_t *slots,
                                        int64_t n, const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts,
-                                       int64_t tied, int nthreads) {
+                                       int64_t tied, const int64_t *second, int nthreads) {
     if (n <= 0) return 0;
     const char *base = (const char *)bundles;
     const int64_t row_bytes = hidden * ELEM_SIZE[dtype], bundle_bytes = 3 * row_bytes, per = tied ? 2 : 1;
@@ -800,7 +802,7 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
                 const float *sc = scales ? scales + 3 * slots[k] : NULL;
                 const float uk = u[j] * (sc ? sc[1] : 1.0f);
                 h[k0 + j] = activation(act, g[k], uk, threshold) * out_scale * (sc ? sc[2] : 1.0f);
-                if (tied) h2[k0 + j] = activation(act, g[k], -uk, threshold) * out_scale * (sc ? scales[3 * (slots[k] + tied) + 2] : 1.0f);
+                if (tied) h2[k0 + j] = activation(act, g[k], -uk, threshold) * out_scale * (sc ? scales[3 * (second ? second[k] : slots[k] + tied) + 2] : 1.0f);
             }
         }
 #pragma omp single
@@ -809,7 +811,7 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
             for (int64_t j = 0; j < nl; j++)
                 if (h[j] != 0.0f) h[nf] = h[j], fired[nf++] = slots[live[j]];
             for (int64_t j = 0; tied && j < nl; j++)
-                if (h2[j] != 0.0f) h[nf] = h2[j], fired[nf++] = slots[live[j]] + tied;
+                if (h2[j] != 0.0f) h[nf] = h2[j], fired[nf++] = second ? second[live[j]] : slots[live[j]] + tied;
         }
         /* down columns: a fixed share of the fired list per thread (static), each thread's sum in its own row of
          * `part`, the rows added in thread order: the same sums in the same order on every run. With the int8
@@ -856,12 +858,14 @@ int64_t sf_gated_act(const float *gate_up, int64_t n, int act, float threshold, 
     return fired;
 }
 
-/* sparse_mlp_impl for the given dtype (tied: 0, or the slot offset of tied pairs' second halves); 0, or -1 when its
- * scratch lists (4 x n entries, 6 x n tied) could not be allocated (nothing is added to y then) */
+/* sparse_mlp_impl for the given dtype (tied: 0, or the slot offset of tied pairs' second halves, or with `second` their
+ * slots and tied != 0); 0, or -1 when its scratch lists (4 x n entries, 6 x n tied) could not be allocated (nothing is
+ * added to y then) */
 int sf_sparse_mlp(const void *bundles, const float *scales, const float *channels, int dtype, int64_t hidden, const int64_t *slots, int64_t n,
-                  int64_t tied, const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts, int nthreads) {
+                  int64_t tied, const int64_t *second, const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts,
+                  int nthreads) {
     int rc = 0;
-#define SF_SPARSE_MLP(DT) rc = sparse_mlp_impl(bundles, scales, channels, DT, hidden, slots, n, x, act, threshold, out_scale, y, counts, tied, nthreads)
+#define SF_SPARSE_MLP(DT) rc = sparse_mlp_impl(bundles, scales, channels, DT, hidden, slots, n, x, act, threshold, out_scale, y, counts, tied, second, nthreads)
     SF_DISPATCH(SF_SPARSE_MLP)
     return rc;
 }
@@ -903,15 +907,15 @@ int64_t sf_predict_mlp(const void *fc1, const float *s1, const void *fc2t, const
             }
         }
         *predictor_seconds += seconds_now() - t0;
-        int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, tied, x, act, threshold, out_scale, y, counts, nthreads);
-        if (!rc) rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, lone, nl, 0, x, act, threshold, out_scale, y, counts, nthreads);
+        int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, tied, NULL, x, act, threshold, out_scale, y, counts, nthreads);
+        if (!rc) rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, lone, nl, 0, NULL, x, act, threshold, out_scale, y, counts, nthreads);
         return rc ? -1 : 2 * m + nl;
     }
     if (pairs) n = pair_neurons(ids, n, inter);
     for (int64_t i = 0; i < n; i++)
         if (slot_of[ids[i]] >= 0) ids[m++] = slot_of[ids[i]];
     *predictor_seconds += seconds_now() - t0;
-    int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, 0, x, act, threshold, out_scale, y, counts, nthreads);
+    int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, 0, NULL, x, act, threshold, out_scale, y, counts, nthreads);
     return rc ? -1 : m;
 }
 
@@ -1278,7 +1282,7 @@ int sf_decode_layers(const sf_layer *layers, int64_t n_layers, float *x, float *
             }
             /* tied: the predicted pairs (n of them), or every pair (ids 0 .. inter/2 - 1) */
             const int64_t count = L->b_tied && !L->fc1 ? n / 2 : n, offset = L->b_tied ? L->inter / 2 : 0;
-            if (sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, count, offset, xn, (int)L->act,
+            if (sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, count, offset, NULL, xn, (int)L->act,
                               L->act_threshold, 1.0f, x, counts, nthreads))
                 return -1;
             stats[0] += L->b_tied ? 2 * count : n;
