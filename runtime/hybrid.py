@@ -82,22 +82,25 @@ def cpu_plan(ckpt, fast_memory: str, device_memory: str | None, weight_dtype: st
 
 class ColdBundles:
     """The CPU's part of a unit when every cold neuron is in memory: their bundles [c, 3, H] in slots 0..c-1 (the order
-    of `cold_ids`), requested by neuron id (runtime/units.py's contract). tied_slots = k > 0: cold_ids begin with the
-    first halves of k tied pairs whose halves are both cold, then their second halves in the same order (`cold_layout`),
-    so runtime/mlp.py computes such a pair from one gate and one up row."""
+    of `cold_ids`), requested by neuron id (runtime/units.py's contract). `pairs`: the pairs (j, I/2 + j) with both
+    halves cold are tied halves (runtime/units.py tied_bundles, checked on the bundles as stored), which runtime/mlp.py
+    computes from one gate and one up row each."""
 
     local = None  # the SplitUnit around it says which neurons are its
     tied = False  # only the cold neurons are held
-    pairs = False  # whole tied pairs: `tied_slots`
 
-    def __init__(self, layer: int, expert: int, cold_ids: torch.Tensor, bundles: torch.Tensor, scales, channels, intermediate: int,
-                 tied_slots: int = 0):
+    def __init__(self, layer: int, expert: int, cold_ids: torch.Tensor, bundles: torch.Tensor, scales, channels, intermediate: int):
         self.layer, self.expert = layer, expert
         self.bundles, self.scales, self.channels = bundles, scales, channels
-        self.intermediate, self.hidden, self.tied_slots = intermediate, bundles.shape[-1], tied_slots
+        self.intermediate, self.hidden = intermediate, bundles.shape[-1]
         self.capacity = max(int(cold_ids.numel()), 1)
         self.fixed_slots = torch.full((intermediate,), -1, dtype=torch.long)  # [I] a neuron's slot, -1: the device's
         self.fixed_slots[cold_ids] = torch.arange(cold_ids.numel())
+        half = intermediate // 2
+        first, second = self.fixed_slots[:half], self.fixed_slots[half : 2 * half]
+        both = (first >= 0) & (second >= 0)
+        whole = (lambda t: None if t is None else torch.cat([t[first[both]], t[second[both]]]))  # fmt: skip
+        self.pairs = intermediate % 2 == 0 and bool(both.any()) and tied_bundles(whole(bundles), whole(scales))
 
     def request(self, neurons: torch.Tensor) -> Request:
         return Request(ready_neurons=neurons, ready_slots=self.fixed_slots[neurons])
@@ -143,10 +146,6 @@ class SplitUnit:
         return self.inner.fixed_slots
 
     @property
-    def tied_slots(self) -> int:
-        return self.inner.tied_slots
-
-    @property
     def pairs(self) -> bool:
         return self.inner.pairs
 
@@ -187,27 +186,13 @@ class SplitUnits:
             return SplitUnit(hot, gate_up, down_hot, self.store(layer, expert, reader))
         cold = torch.ones(gate.shape[0], dtype=torch.bool)
         cold[hot] = False
-        ids, k = cold_layout(cold)
+        ids = cold.nonzero().flatten()
         parts = convert_bundles(make_bundles(gate[ids], up[ids], down[:, ids]), WEIGHT_DTYPES[reader.weight_dtype])
-        if k and not tied_bundles(parts[0][: 2 * k], None if parts[1] is None else parts[1][: 2 * k]):
-            ids, k = cold.nonzero().flatten(), 0  # not tied halves: the cold neurons in id order
-            parts = convert_bundles(make_bundles(gate[ids], up[ids], down[:, ids]), WEIGHT_DTYPES[reader.weight_dtype])
-        return SplitUnit(hot, gate_up, down_hot, ColdBundles(layer, expert, ids, *parts, gate.shape[0], tied_slots=k))
+        return SplitUnit(hot, gate_up, down_hot, ColdBundles(layer, expert, ids, *parts, gate.shape[0]))
 
     def stats(self) -> dict:
         """The neuron store's counters (runtime/store.py), when the cold neurons live on disk."""
         return self.store.stats() if self.store is not None else {}
-
-
-def cold_layout(cold: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """cold: bool [I] -> (the cold neuron ids in slot order, k): the k pairs (j, I/2 + j) with both halves cold, first
-    halves ascending then their second halves, then the other cold neurons ascending. Checked against the weights by
-    the caller: only tied halves (runtime/units.py tied_bundles) are computed a pair at a time."""
-    half = cold.shape[0] // 2
-    whole = (cold[:half] & cold[half : 2 * half]).nonzero().flatten() if cold.shape[0] % 2 == 0 else torch.zeros(0, dtype=torch.long)
-    rest = cold.clone()
-    rest[whole], rest[whole + half] = False, False
-    return torch.cat([whole, whole + half, rest.nonzero().flatten()]), int(whole.numel())
 
 
 def _device_linear(w: torch.Tensor, weight_dtype: str, device: torch.device, threads: int, native: bool) -> Linear:

@@ -43,7 +43,7 @@ _SIGNATURES = {
     "sf_matvec": (_int, [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p, _int]),
     "sf_predict": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _i64, _p, _f32, _p, _p, _int]),
     "sf_sparse_mlp": (_int, [_p, _p, _p, _int, _i64, _p, _i64, _i64, _p, _p, _int, _f32, _f32, _p, _p, _int]),
-    "sf_predict_mlp": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _int, _p, _f32, _p, _p, _p, _p, _p, _p, _int, _i64, _p, _int, _f32, _f32, _p, _p, _i64, _p, _int]),
+    "sf_predict_mlp": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _int, _p, _f32, _p, _p, _p, _p, _p, _p, _int, _i64, _p, _int, _f32, _f32, _p, _p, _int, _p, _int]),
     "sf_gated_act": (_i64, [_p, _i64, _int, _f32, _p]),
     "sf_mlp_screen": (_i64, [_p, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _p, _int, _f32, _p, _p, _p, _int, _int]),
     "sf_attention_decode": (None, [_p, _p, _p, _p, _f32, _i64, _p, _p, _p, _p, _p, _p, _int, _p, _p, _p, _p, _p, _p, _int, _i64, _i64, _i64, _i64, _i64, _i64, _p, _int]),
@@ -225,19 +225,18 @@ def sparse_mlp_native(bundles: torch.Tensor, scales: torch.Tensor | None, channe
 def predict_mlp_native(fc1: Weights, fc2t: Weights, p_threshold: float, resid: torch.Tensor, slot_of: torch.Tensor, ids: torch.Tensor,
                        scratch: torch.Tensor, bundles: torch.Tensor, scales: torch.Tensor | None, channels: torch.Tensor | None, x: torch.Tensor,
                        activation: GatedActivation, y: torch.Tensor, out_scale: float, counts: torch.Tensor, seconds: ctypes.c_double, threads: int,
-                       pairs: bool = False, tied_slots: int = 0) -> int:
+                       pairs: bool = False, paired: bool = False) -> int:
     """predict_native's neurons of resid [H] (pairs: both halves of each predicted pair), those with slot_of[id] >= 0
     (slot_of: int64 [I], a neuron's slot in bundles, < 0 for one computed elsewhere), then sparse_mlp_native over their
     slots into y, in one native call; ids: int64 [I] scratch; seconds += the predictor's seconds. Returns the number of
-    neurons computed. tied_slots (pairs only): slots 0..k-1 hold the first halves of k tied pairs, k..2k-1 their second
-    halves in the same order (runtime/units.py MLPUnit.tied_slots); a predicted pair there is computed from one gate and
-    one up row."""
+    neurons computed. paired (pairs only): any two slots holding neurons j and I/2 + j hold tied halves (runtime/units.py
+    MLPUnit.pairs), so a predicted pair with both halves here is computed from one gate and one up row."""
     (w1, s1), (w2, s2) = fc1, fc2t
     n = native().sf_predict_mlp(
         w1.data_ptr(), ptr(s1), w2.data_ptr(), ptr(s2), DTYPE_CODES[w1.dtype], w1.shape[0], w2.shape[1], int(pairs), resid.data_ptr(), p_threshold,
         slot_of.data_ptr(), ids.data_ptr(), scratch.data_ptr(), bundles.data_ptr(), ptr(scales), ptr(channels), DTYPE_CODES[bundles.dtype],
         bundles.shape[-1], x.data_ptr(), ACT_CODES[activation.kind], activation.threshold, out_scale, y.data_ptr(), counts.data_ptr(),
-        tied_slots if pairs else 0, ctypes.byref(seconds), threads,
+        int(pairs and paired), ctypes.byref(seconds), threads,
     )  # fmt: skip
     if n < 0:
         raise MemoryError(f"sf_predict_mlp could not allocate its lists for the neurons of a {bundles.shape[0]}-slot unit")
@@ -245,13 +244,13 @@ def predict_mlp_native(fc1: Weights, fc2t: Weights, p_threshold: float, resid: t
 
 
 def tied_mlp_torch(bundles: torch.Tensor, scales: torch.Tensor | None, channels: torch.Tensor | None, pairs: torch.Tensor, x: torch.Tensor,
-                   activation: GatedActivation, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """sparse_mlp_torch over tied halves (runtime/units.py tied_bundles): neurons `pairs` [k] < I/2 and pairs + I/2,
-    computed from one gate and one up product each: h = [act(g, u), act(g, -u)] ([N, 2k]), y = h @ [down_i; down_(I/2+i)].
-    keep: [N, 2k] or None."""
-    half = bundles.shape[0] // 2
+                   activation: GatedActivation, keep: torch.Tensor | None = None, second: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mlp_torch over tied halves (runtime/units.py tied_bundles): slots `pairs` [k] hold first halves and
+    `second` [k] their second halves (None: pairs + I/2, the halves at slot = neuron), each pair computed from one gate
+    and one up product: h = [act(g, u), act(g, -u)] ([N, 2k]), y = h @ [down_first; down_second]. keep: [N, 2k] or None."""
+    second = pairs + bundles.shape[0] // 2 if second is None else second
     xq, b = _gathered(bundles, scales, pairs, x)
-    d2 = dequantize(bundles[:, 2].index_select(0, pairs + half), None if scales is None else scales[:, 2].index_select(0, pairs + half))
+    d2 = dequantize(bundles[:, 2].index_select(0, second), None if scales is None else scales[:, 2].index_select(0, second))
     g, u = xq @ b[:, 0].T, xq @ b[:, 1].T  # [N, k]
     return _down(torch.cat([activation(g, u), activation(g, -u)], dim=1), torch.cat([b[:, 2], d2]), keep, channels)
 

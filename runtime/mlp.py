@@ -95,8 +95,6 @@ class SparseMLP:
         elif unit.tied:  # every pair of a resident unit of tied halves
             return self._tied_row(unit, self._all_neurons(I // 2), xn, act, y, scale)
         neurons = self._computed(unit, neurons)
-        if unit.tied_slots and unit.fixed_slots is not None:  # a hybrid CPU part holding whole tied pairs
-            return self._cold_pairs_row(unit, neurons, xn, act, y, scale)
         compute = self._record_pairs if unit.pairs else self._neurons
         for chunk in unit.order(neurons).split(unit.capacity) if neurons.numel() > unit.capacity else (neurons,):
             req = unit.request(chunk)
@@ -112,21 +110,16 @@ class SparseMLP:
         kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, slots, xn, act, y, scale, self.meter.rows_read, self.model.threads)
 
     def _record_pairs(self, unit, ids: torch.Tensor, slots: torch.Tensor, xn: torch.Tensor, act, y: torch.Tensor, scale: float) -> None:
-        """_neurons for a unit whose neurons come from pair records (MLPUnit.pairs): the pairs with both halves among
-        `ids` from one gate and one up row (their halves' slots, any two), the other neurons one by one."""
-        half, i, s = unit.intermediate // 2, ids.numpy(), slots.numpy()
-        first = i < half
-        _, a, b = np.intersect1d(i[first], i[~first] - half, assume_unique=True, return_indices=True)
-        if not a.size:
+        """_neurons for a unit of tied halves in any two slots (MLPUnit.pairs): the pairs with both halves among `ids`
+        from one gate and one up row, the other neurons one by one."""
+        s = slots.numpy()
+        firsts, seconds, lone = _whole_pairs(ids.numpy(), unit.intermediate // 2)
+        if not firsts.size:
             return self._neurons(unit, ids, slots, xn, act, y, scale)
-        firsts, seconds = s[first][a], s[~first][b]
-        lone = np.ones(i.size, dtype=bool)
-        lone[np.flatnonzero(first)[a]] = False
-        lone[np.flatnonzero(~first)[b]] = False
         threads, counts = self.model.threads, self.meter.rows_read
-        kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, torch.from_numpy(firsts), xn, act, y, scale, counts, threads,
-                                  second=torch.from_numpy(seconds))  # fmt: skip
-        if lone.any():
+        kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, torch.from_numpy(s[firsts]), xn, act, y, scale, counts, threads,
+                                  second=torch.from_numpy(s[seconds]))  # fmt: skip
+        if lone.size:
             kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, torch.from_numpy(s[lone]), xn, act, y, scale, counts, threads)
 
     def _tied_row(self, unit, pairs: torch.Tensor, xn: torch.Tensor, act, y: torch.Tensor, scale: float) -> None:
@@ -135,20 +128,6 @@ class SparseMLP:
         kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, pairs, xn, act, y, scale, self.meter.rows_read, self.model.threads, tied=True)
         self.meter.native_mlp(2 * pairs.numel(), unit.intermediate, row_bytes(unit))
 
-    def _cold_pairs_row(self, unit, neurons: torch.Tensor, xn: torch.Tensor, act, y: torch.Tensor, scale: float) -> None:
-        """y += scale * MLP(xn) over `neurons` of a unit whose fixed slots begin with k whole tied pairs (MLPUnit.tied_slots):
-        a pair with a chosen half from one gate and one up row (its other half too, from the same rows: the screen or the
-        oracle chose it whenever it can fire, so the sum is the same), the other neurons one by one."""
-        k, slots = unit.tied_slots, unit.fixed_slots[neurons]
-        paired = slots < 2 * k
-        pairs = torch.unique(slots[paired] % k)  # ascending
-        lone = slots[~paired]
-        threads, counts = self.model.threads, self.meter.rows_read
-        kernels.sparse_mlp_native(unit.bundles[: 2 * k], None if unit.scales is None else unit.scales[: 2 * k], unit.channels, pairs, xn, act, y, scale,
-                                  counts, threads, tied=True)  # fmt: skip
-        kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, lone, xn, act, y, scale, counts, threads)
-        self.meter.native_mlp(neurons.numel(), _width(unit), row_bytes(unit))
-
     def _predict_mlp_row(self, layer: int, expert: int, p, unit, xn: torch.Tensor, resid: torch.Tensor, scale: float, y: torch.Tensor) -> None:
         """_native_row's sparse mode with predictor p for a unit whose neurons have fixed slots (a hybrid engine's CPU
         part): predictor and kernel in one native call, no PyTorch op between them."""
@@ -156,7 +135,7 @@ class SparseMLP:
         before = self._seconds.value
         n = kernels.predict_mlp_native(p.fc1, p.fc2t, p.threshold, resid, unit.fixed_slots, ids, scratch, unit.bundles, unit.scales, unit.channels, xn,
                                        self.model.activations[layer], y, scale, self.meter.rows_read, self._seconds, self.model.threads, p.pairs,
-                                       unit.tied_slots)  # fmt: skip
+                                       unit.pairs)  # fmt: skip
         self.meter.predictor(self._seconds.value - before)
         self.meter.native_mlp(n, _width(unit), row_bytes(unit))
 
@@ -201,22 +180,32 @@ class SparseMLP:
             keep = keep & unit.local
         if unit.tied:
             return self._tied_rows(layer, unit, x, keep)
-        if unit.tied_slots and unit.fixed_slots is not None:
-            return self._cold_pairs_rows(layer, unit, x, keep)
         neurons = self._computed(unit, None) if keep is None else keep.any(0).nonzero().flatten()
         y = torch.zeros_like(x)
-        act, fired = self.model.activations[layer], 0
+        act, fired, rows = self.model.activations[layer], 0, 0
         for chunk in (unit.order(neurons) if neurons.numel() > unit.capacity else neurons).split(unit.capacity):
             req = unit.request(chunk)
             for ids, slots in ((req.ready_neurons, req.ready_slots), req.wait()):
                 if ids.numel():
-                    part, h = kernels.sparse_mlp_torch(unit.bundles, unit.scales, unit.channels, slots, x, act, None if keep is None else keep[:, ids])
-                    y += part
-                    fired += int((h != 0).sum())
+                    for part, h, read in self._parts_torch(unit, ids, slots, x, act, keep):
+                        y += part
+                        fired, rows = fired + int((h != 0).sum()), rows + read
             req.release()
         computed = int(keep.sum()) if keep is not None else x.shape[0] * neurons.numel()
-        self.meter.mlp(computed, x.shape[0] * _width(unit), fired, 3 * neurons.numel() * row_bytes(unit))
+        self.meter.mlp(computed, x.shape[0] * _width(unit), fired, rows * row_bytes(unit))
         return y
+
+    def _parts_torch(self, unit, ids: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, act, keep: torch.Tensor | None):
+        """_rows over neurons `ids` at `slots`: yields (y part [N, H], h, rows read), a unit of tied halves in any two
+        slots (MLPUnit.pairs) computing the pairs with both halves among ids from one gate and one up product each."""
+        firsts, seconds, lone = _whole_pairs(ids.numpy(), unit.intermediate // 2) if unit.pairs else ((), (), None)
+        if len(firsts):
+            first, second = torch.from_numpy(firsts), torch.from_numpy(seconds)
+            mask = None if keep is None else torch.cat([keep[:, ids[first]], keep[:, ids[second]]], dim=1)
+            yield *kernels.tied_mlp_torch(unit.bundles, unit.scales, unit.channels, slots[first], x, act, mask, second=slots[second]), 4 * len(firsts)
+            ids, slots = ids[torch.from_numpy(lone)], slots[torch.from_numpy(lone)]
+        if ids.numel():
+            yield *kernels.sparse_mlp_torch(unit.bundles, unit.scales, unit.channels, slots, x, act, None if keep is None else keep[:, ids]), 3 * ids.numel()
 
     def _tied_rows(self, layer: int, unit, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         """_rows over a resident unit of tied halves: the pairs with a chosen half, one gate and one up product each."""
@@ -227,21 +216,6 @@ class SparseMLP:
         computed = int(keep.sum()) if keep is not None else x.shape[0] * unit.intermediate
         self.meter.mlp(computed, x.shape[0] * unit.intermediate, int((h != 0).sum()), 4 * pairs.numel() * row_bytes(unit))
         return y
-
-    def _cold_pairs_rows(self, layer: int, unit, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-        """_rows over a hybrid CPU part holding k whole tied pairs first (MLPUnit.tied_slots): the pairs with a chosen
-        half a pair at a time, the other chosen neurons one by one."""
-        k, half, act = unit.tied_slots, unit.intermediate // 2, self.model.activations[layer]
-        neurons = unit.local_ids if keep is None else keep.any(0).nonzero().flatten()
-        paired = unit.fixed_slots[neurons] < 2 * k
-        firsts, lone = torch.unique(neurons[paired] % half), neurons[~paired]  # the pairs by their first halves (ascending slots)
-        y, h = kernels.tied_mlp_torch(unit.bundles[: 2 * k], None if unit.scales is None else unit.scales[: 2 * k], unit.channels,
-                                      unit.fixed_slots[firsts], x, act, None if keep is None else torch.cat([keep[:, firsts], keep[:, firsts + half]], dim=1))  # fmt: skip
-        part, h2 = kernels.sparse_mlp_torch(unit.bundles, unit.scales, unit.channels, unit.fixed_slots[lone], x, act, None if keep is None else keep[:, lone])
-        computed = int(keep.sum()) if keep is not None else x.shape[0] * neurons.numel()
-        fired = int((h != 0).sum()) + int((h2 != 0).sum())
-        self.meter.mlp(computed, x.shape[0] * _width(unit), fired, (4 * firsts.numel() + 3 * lone.numel()) * row_bytes(unit))
-        return y + part
 
     def _computed(self, unit, neurons: torch.Tensor | None) -> torch.Tensor:
         """The neurons computed through this unit of those chosen (None: all): its `local` ones (runtime/units.py)."""
@@ -258,3 +232,14 @@ class SparseMLP:
 def _width(unit) -> int:
     """The most neurons computed through a unit: all of them, or its `local` ones."""
     return unit.intermediate if unit.local is None else unit.local_ids.numel()
+
+
+def _whole_pairs(ids: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Positions in ids (distinct neuron ids) of the pairs with both halves there, j and half + j: (their first halves,
+    their second halves, in the same order, ascending by j), and of the other ids."""
+    first = ids < half
+    f, s = np.flatnonzero(first), np.flatnonzero(~first)
+    _, a, b = np.intersect1d(ids[f], ids[s] - half, assume_unique=True, return_indices=True)
+    lone = np.ones(ids.size, dtype=bool)
+    lone[f[a]], lone[s[b]] = False, False
+    return f[a], s[b], np.flatnonzero(lone)

@@ -65,7 +65,6 @@ class TieredUnit:
 
     local = None  # every neuron is computed through the unit (runtime/units.py)
     fixed_slots = None  # slots change as neurons come and go
-    tied_slots = 0
     tied = False  # slots are not neuron ids: tied halves read from one pair record (`pairs`) are paired by their slots
 
     def __init__(self, store: "NeuronStore", layer: int, expert: int, index: int, offset: int, hot: torch.Tensor):

@@ -67,8 +67,7 @@ class MLPUnit(Protocol):
     local: torch.Tensor | None  # bool [I]: the neurons computed through this unit (a hybrid split: the CPU's); None: all
     fixed_slots: torch.Tensor | None  # int64 [I]: each neuron's slot in bundles, always resident (-1: not local); None: ask request
     tied: bool  # tied halves, all resident at slot = neuron, computed a pair at a time (several rows, or every neuron of one)
-    tied_slots: int  # k > 0: fixed slots 0..k-1 hold the first halves of k tied pairs, k..2k-1 their second halves in the same order
-    pairs: bool  # neurons come from one-record pairs of tied halves (a neuron store): any two slots holding j and I/2 + j are tied
+    pairs: bool  # tied halves in any two slots (a neuron store's pair records, a hybrid CPU part): slots holding j and I/2 + j are tied
 
     def request(self, neurons: torch.Tensor) -> Request: ...
 
@@ -143,7 +142,6 @@ class ResidentUnit:
         self.intermediate, _, self.hidden = bundles.shape
         self.capacity = self.intermediate
         self.tied = tied_bundles(bundles, scales)
-        self.tied_slots = self.intermediate // 2 if self.tied else 0
 
     def request(self, neurons: torch.Tensor) -> Request:
         return Request(ready_neurons=neurons, ready_slots=neurons)

@@ -166,28 +166,24 @@ def test_the_fused_predictor_and_mlp_call_takes_both_halves_of_each_predicted_pa
 @pytest.mark.skipif(not NATIVE, reason="native kernels did not build")
 @pytest.mark.parametrize("mode,dtype", [("sparse", "float32"), ("oracle", "float32"), ("screen", "float32"), ("sparse", "int8"), ("oracle", "int8")])
 def test_a_hybrid_cpu_part_computes_its_whole_cold_pairs_a_pair_at_a_time(trained, mode, dtype, monkeypatch):
-    """A hybrid engine's CPU part lays out the tied pairs it holds whole first (runtime/hybrid.py cold_layout) and
-    computes each from one gate and one up row (the fused predictor call's tied slots; the tied kernel for the screen's
-    and the oracle's neurons; tied_mlp_torch for several rows): the logits of the CPU part computing every half alone,
-    decode and prefill, the same neurons, fewer rows read."""
+    """A hybrid engine's CPU part whose cold pairs are tied halves (runtime/hybrid.py ColdBundles.pairs) computes each
+    pair with both halves chosen from one gate and one up row (the fused predictor call's pairs, sf_sparse_mlp's second
+    halves' slots for the screen's and the oracle's neurons, tied_mlp_torch for several rows): the logits of the CPU
+    part computing every half alone, decode and prefill, the same neurons, fewer rows read."""
     from sparseforge.runtime import hybrid
 
     ckpt, ids = trained[0], torch.tensor(random_windows(1, 12, seed=6))
     runs, tied_calls, real = {}, [], kernels.tied_mlp_torch
-    monkeypatch.setattr(kernels, "tied_mlp_torch", lambda *a: tied_calls.append(1) or real(*a))
+    monkeypatch.setattr(kernels, "tied_mlp_torch", lambda *a, **k: tied_calls.append(1) or real(*a, **k))
     for layout in ("pairs", "neurons"):
         if layout == "neurons":
-            monkeypatch.setattr(hybrid, "cold_layout", lambda cold: (cold.nonzero().flatten(), 0))
+            monkeypatch.setattr(hybrid, "tied_bundles", lambda bundles, scales: False)
         engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=32, progress=False, device="cpu", device_memory="30%")
         units = [lw.units[0] for lw in engine.model.weights.layers]
-        if layout == "pairs":
-            assert all(0 < u.tied_slots < u.intermediate // 2 for u in units)
-            for u in units:  # slots 0..k-1 and k..2k-1: the two halves of k cold pairs, in the same order
-                k, slot_of = u.tied_slots, u.fixed_slots
-                first = torch.argsort(slot_of)[-(u.local_ids.numel()) :][:k]
-                assert torch.equal(slot_of[first + u.intermediate // 2], torch.arange(k, 2 * k))
-        else:
-            assert not any(u.tied_slots for u in units)
+        half = units[0].intermediate // 2
+        whole = [int(((u.fixed_slots[:half] >= 0) & (u.fixed_slots[half:] >= 0)).sum()) for u in units]
+        assert all(0 < k < half for k in whole)  # some pairs are whole on the CPU, some are not
+        assert all(u.pairs == (layout == "pairs") for u in units)
         calls = len(tied_calls)
         runs[layout] = (*_decode(engine, ids), engine.forward(ids, engine.new_cache(1)))
         assert (len(tied_calls) > calls) == (layout == "pairs")  # the prefill's rows

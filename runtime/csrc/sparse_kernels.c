@@ -885,30 +885,33 @@ static int64_t pair_neurons(int64_t *ids, int64_t n, int64_t half) {
  * halves, inter of them, each standing for neurons j and inter + j (slot_of then has 2 inter entries). ids: [2 inter
  * if pairs, else inter] scratch; *predictor_seconds += the predictor's time (with the slot mapping). Returns the number
  * of neurons computed, or -1 when sf_sparse_mlp could not allocate.
- * tied > 0 (with pairs): slots 0..tied-1 of bundles hold the first halves of tied pairs whose halves both have slots
- * here, slots tied..2 tied-1 their second halves in the same order (runtime/hybrid.py ColdBundles); a predicted pair
- * with a slot below tied is computed from its one gate and one up row (sf_sparse_mlp's tied mode), a half whose other
- * half has no slot here alone. */
+ * paired (with pairs): the unit's halves are tied halves wherever both have slots (runtime/units.py MLPUnit.pairs); a
+ * predicted pair whose halves both have slots is computed from its one gate and one up row (sf_sparse_mlp with the
+ * second halves' slots), a half whose other half has no slot here alone. */
 int64_t sf_predict_mlp(const void *fc1, const float *s1, const void *fc2t, const float *s2, int p_dtype, int64_t rank, int64_t inter,
                        int pairs, const float *resid, float p_threshold, const int64_t *slot_of, int64_t *ids, float *p_scratch,
                        const void *bundles, const float *scales, const float *channels, int dtype, int64_t hidden, const float *x, int act,
-                       float threshold, float out_scale, float *y, int64_t *counts, int64_t tied, double *predictor_seconds, int nthreads) {
+                       float threshold, float out_scale, float *y, int64_t *counts, int paired, double *predictor_seconds, int nthreads) {
     double t0 = seconds_now();
     int64_t n = sf_predict(fc1, s1, fc2t, s2, p_dtype, rank, hidden, inter, resid, p_threshold, ids, p_scratch, nthreads), m = 0;
-    if (pairs && tied > 0) {  /* whole pairs' first-half slots over ids[0..], lone halves' slots from ids[inter] (n <= inter) */
-        int64_t *lone = ids + inter, nl = 0;
+    if (pairs && paired) {  /* first halves' slots over ids[0..], second halves' from ids[inter], lone halves' from the end down (m + nl <= n <= inter) */
+        int64_t *second = ids + inter, *end = ids + 2 * inter, nl = 0;
         for (int64_t i = 0; i < n; i++) {
             const int64_t a = slot_of[ids[i]], b = slot_of[inter + ids[i]];
-            if (a >= 0 && a < tied) {
-                ids[m++] = a;
-            } else {
-                if (a >= 0) lone[nl++] = a;
-                if (b >= 0) lone[nl++] = b;
+            if (a >= 0 && b >= 0) {
+                ids[m] = a, second[m++] = b;
+            } else if (a >= 0 || b >= 0) {
+                *--end = a >= 0 ? a : b;
+                nl++;
             }
         }
+        for (int64_t i = 0; i < nl / 2; i++) {  /* the lone halves back in the predictor's order */
+            const int64_t t = end[i];
+            end[i] = end[nl - 1 - i], end[nl - 1 - i] = t;
+        }
         *predictor_seconds += seconds_now() - t0;
-        int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, tied, NULL, x, act, threshold, out_scale, y, counts, nthreads);
-        if (!rc) rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, lone, nl, 0, NULL, x, act, threshold, out_scale, y, counts, nthreads);
+        int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, 1, second, x, act, threshold, out_scale, y, counts, nthreads);
+        if (!rc) rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, end, nl, 0, NULL, x, act, threshold, out_scale, y, counts, nthreads);
         return rc ? -1 : 2 * m + nl;
     }
     if (pairs) n = pair_neurons(ids, n, inter);
