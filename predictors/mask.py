@@ -26,8 +26,9 @@ Counts = dict[tuple[int, int], dict[str, int]]
 @contextmanager
 def masked_mlps(model, mode: str, predictors: PredictorSet | None = None, counts: Counts | None = None) -> Iterator[None]:
     """Within the block, MLP activations h: [N, I] become where(keep, h, 0) with keep = h != 0 ("oracle")
-    or the predictors' mask ("predicted"). If `counts` is given, per (layer, expert) confusion counts of
-    keep against the true firing are added to it."""
+    or the predictors' mask ("predicted"; the rows at a sequence's first position keep h != 0, as the sparse runtime
+    computes them exactly: runtime/step.py first_positions). If `counts` is given, per (layer, expert) confusion
+    counts of keep against the true firing are added to it."""
     if mode not in MODES:
         raise SparseforgeError(f"unknown mask mode {mode!r}; use one of {', '.join(MODES)}")
     if mode == "predicted" and predictors is None:
@@ -37,6 +38,8 @@ def masked_mlps(model, mode: str, predictors: PredictorSet | None = None, counts
         layer, expert, x, h = call.layer, call.expert, call.x, call.h
         fired = h != 0  # [N, I]
         keep = fired if mode == "oracle" else predictors.predict(layer, expert, x)
+        if mode == "predicted" and call.first is not None and bool(call.first.any()):
+            keep = torch.where(call.first[:, None], fired, keep)
         if counts is not None:
             c = counts.setdefault((layer, expert), {"tp": 0, "fp": 0, "fn": 0, "tn": 0})
             tp, kept, n_fired = int((keep & fired).sum()), int(keep.sum()), int(fired.sum())

@@ -240,7 +240,7 @@ class HybridMLP:
         self.device = model.device_tier.device
         meter.device_fired = torch.zeros((), dtype=torch.long, device=self.device)
 
-    def __call__(self, layer: int, lw, xn: torch.Tensor, resid: torch.Tensor) -> None:
+    def __call__(self, layer: int, lw, xn: torch.Tensor, resid: torch.Tensor, exact: torch.Tensor | None = None) -> None:
         unit = lw.units[0]
         cold = unit.local_ids.numel() > 0
         timed = cold and xn.shape[0] == 1  # a one-token step's split (graphs.py times its own the same way)
@@ -254,7 +254,7 @@ class HybridMLP:
         if cold:
             mid = time.perf_counter()
             yc = torch.zeros_like(xc)
-            self.cpu_mlp(layer, lw, xc, rc, out=yc)
+            self.cpu_mlp(layer, lw, xc, rc, out=yc, exact=exact)
             resid += yc.to(self.device, non_blocking=True)
             if timed:
                 self.meter.hybrid_split(start, mid)

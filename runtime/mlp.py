@@ -37,34 +37,38 @@ class SparseMLP:
         self._arange = {}
         self._seconds = ctypes.c_double(0.0)  # the fused native call's predictor seconds, accumulated
 
-    def __call__(self, layer: int, lw, xn: torch.Tensor, resid: torch.Tensor, out: torch.Tensor | None = None) -> None:
+    def __call__(self, layer: int, lw, xn: torch.Tensor, resid: torch.Tensor, out: torch.Tensor | None = None,
+                 exact: torch.Tensor | None = None) -> None:
         """xn: [N, H] normed MLP input; resid: [N, H] the residual, the predictor's input, to which the output is added
-        (or to `out` [N, H] when given)."""
+        (or to `out` [N, H] when given). exact: bool [N], rows the sparse mode computes with the exact mask (a
+        sequence's first position: runtime/step.py first_positions)."""
         out = resid if out is None else out
+        exact = exact if exact is not None and self.model.mode == "sparse" and bool(exact.any()) else None
         if not self.model.moe:
-            self._unit(layer, 0, lw, xn, resid, None, out)
+            self._unit(layer, 0, lw, xn, resid, None, out, exact)
             return
         weights, experts = route(lw.router, xn, self.model.top_k)  # [N, k]
         y = torch.zeros_like(resid)  # every expert's predictor reads the residual before any output is added
         for e in experts.unique().tolist():
             rows, slot = torch.where(experts == e)
             if rows.numel() == xn.shape[0]:  # every row routed here (one row): no gather
-                self._unit(layer, e, lw, xn, resid, weights[rows, slot], y)
+                self._unit(layer, e, lw, xn, resid, weights[rows, slot], y, exact)
             else:
                 part = torch.zeros(rows.numel(), xn.shape[1])
-                self._unit(layer, e, lw, xn[rows], resid[rows], weights[rows, slot], part)
+                self._unit(layer, e, lw, xn[rows], resid[rows], weights[rows, slot], part, None if exact is None else exact[rows])
                 y.index_add_(0, rows, part)
         out += y
 
-    def _unit(self, layer: int, expert: int, lw, x: torch.Tensor, resid: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor) -> None:
-        """out [n, H] += scale [n] * one unit's MLP of x [n, H] (resid: the predictor's input)."""
+    def _unit(self, layer: int, expert: int, lw, x: torch.Tensor, resid: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor,
+              exact: torch.Tensor | None = None) -> None:
+        """out [n, H] += scale [n] * one unit's MLP of x [n, H] (resid: the predictor's input; exact: as __call__'s)."""
         if lw.dense:
             y = self._dense(layer, lw.dense[expert], x)
-        elif self.model.native and x.shape[0] == 1:
+        elif self.model.native and x.shape[0] == 1 and exact is None:
             self._native_row(layer, expert, lw.units[expert], x[0], resid[0], 1.0 if scale is None else float(scale[0]), out[0])
             return
         else:
-            y = self._rows(layer, expert, lw.units[expert], x, resid)
+            y = self._rows(layer, expert, lw.units[expert], x, resid, exact)
         out += y if scale is None else y * scale[:, None]
 
     def _dense(self, layer: int, mats, x: torch.Tensor) -> torch.Tensor:
@@ -162,14 +166,17 @@ class SparseMLP:
         self.meter.screen(nbytes)
         return ids
 
-    def _rows(self, layer: int, expert: int, unit, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
-        """Several rows (or PyTorch ops): the union of their neurons computed once, each row masked to its own prediction."""
+    def _rows(self, layer: int, expert: int, unit, x: torch.Tensor, resid: torch.Tensor, exact: torch.Tensor | None = None) -> torch.Tensor:
+        """Several rows (or PyTorch ops): the union of their neurons computed once, each row masked to its own prediction
+        (the `exact` rows to every neuron: the exact result)."""
         I = unit.intermediate
         keep = None
         if self.model.mode == "sparse":
             start = time.perf_counter()
             p = self.model.predictors[(layer, expert)]
             keep = torch.ones(x.shape[0], I, dtype=torch.bool) if p is None else p.mask(kernels.predict_torch(p.fc1, p.fc2t, p.threshold, resid))  # [n, I]
+            if exact is not None:
+                keep[exact] = True
             self.meter.predictor(time.perf_counter() - start)
         elif self.model.mode == "screen" and x.shape[0] <= SCREEN_ROWS:
             start = time.perf_counter()

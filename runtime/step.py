@@ -49,7 +49,7 @@ class Step:
             raise SparseforgeError(f"ids have batch {B} but the cache has {cache.batch} rows; use engine.new_cache({B}) or cache.fork({B})")
         _check_room(cache, T)
         start = time.perf_counter()
-        if self.row is not None and B * T == 1:
+        if self.row is not None and B * T == 1 and cache.length:
             x = self._row_hidden(int(ids[0, 0]), cache)[None, None]  # [1, 1, H]
         else:
             x = self._layers(self.model.weights.embed_ids(ids.to(self.model.device)), cache)[:, logits_from:]  # [B, T', H]
@@ -64,6 +64,8 @@ class Step:
         generator)` gives it (through the head screen where the head has one and the settings allow)."""
         if cache.batch != 1:
             raise SparseforgeError(f"decode takes a batch-1 cache, got {cache.batch} rows; use forward for several rows")
+        if cache.length == 0:  # a sequence's first position: the PyTorch step, which computes its MLPs exactly (_layers)
+            return choose(self.forward(torch.tensor([[token]]), cache)[0, -1], config, generator)
         if self.graphs is not None:  # the hybrid tier's step as replayed device graphs
             _check_room(cache, 1)
             start = time.perf_counter()
@@ -95,6 +97,7 @@ class Step:
         x: [B, T, H] embedded rows (PyTorch ops), or None: the native row, whose buffers hold the token."""
         m, row = self.model, self.row if x is None else None
         eps = m.config.rms_norm_eps
+        exact = None if row is not None or cache.length else first_positions(*x.shape[:2])
         for i, lw in enumerate(m.weights.layers):
             if row is not None:
                 row.attention(i)
@@ -103,13 +106,22 @@ class Step:
                 x = x + attention(rms_norm(x, lw.input_norm, eps), lw, m.shape, i, cache, m.cos, m.sin)
                 resid = x.view(-1, x.shape[-1])  # [N, H]
                 xn = rms_norm(resid, lw.post_norm, eps)
-            self.mlp(i, lw, xn, resid)  # resid += MLP(xn), in place
+            self.mlp(i, lw, xn, resid, exact=exact)  # resid += MLP(xn), in place
         return x
 
     def _close(self, rows: int, tokens: int, start: float, cache: KVCache) -> None:
         """Report the forward to the meter and advance the cache."""
         self.meter.step(rows, tokens, time.perf_counter() - start, cache.length)
         cache.length += tokens
+
+
+def first_positions(batch: int, tokens: int) -> torch.Tensor:
+    """bool [batch * tokens]: the rows (flattened [B, T]) at a sequence's first position, which every later position
+    attends to (the attention sink). The sparse mode computes their MLPs with the exact mask: a predictor trained on
+    packed text sees few first positions, and a neuron it misses there shifts every later token."""
+    first = torch.zeros(batch, tokens, dtype=torch.bool)
+    first[:, 0] = True
+    return first.flatten()
 
 
 def _check_room(cache: KVCache, tokens: int) -> None:

@@ -9,7 +9,9 @@ attention, before `post_attention_layernorm`: what a PowerInfer/Deja Vu predicto
   [B, S, I] for a dense MLP or [T_e, I] for MoE expert e;
 - with `inputs=True`, a forward pre-hook on `layers[i].post_attention_layernorm` (the residual x, [B, S, H])
   and, for MoE layers, one on `layers[i].mlp.experts` (the routing `top_k_index` [T, k]; the rows routed to
-  expert e are `torch.where(top_k_index == e)[0]`, the order the experts use).
+  expert e are `torch.where(top_k_index == e)[0]`, the order the experts use); and one on the decoder
+  (`model.model`) for the rows at a sequence's first position (`position_ids`, else `cache_position`, else the
+  cache's length).
 
 and calls `fn(MLPCall)` with every tensor flattened to rows, [N, I] (and x [N, H]), row-aligned. If `fn`
 returns a tensor of shape [N, I], it replaces h (that is how masks and blends are applied).
@@ -34,6 +36,7 @@ class MLPCall:
     up: torch.Tensor  # [N, I] pre-activation of up_proj
     h: torch.Tensor  # [N, I] act(gate, up)
     x: torch.Tensor | None  # [N, H] residual rows that reached the MLP (hook_mlps(..., inputs=True) only)
+    first: torch.Tensor | None = None  # bool [N]: rows at a sequence's first position (hook_mlps(..., inputs=True) only)
 
 
 MLPHook = Callable[[MLPCall], torch.Tensor | None]
@@ -46,6 +49,7 @@ class MLPHooks:
         self.handles: list = []
         self.resid: dict[int, torch.Tensor] = {}  # layer -> [T, H] of the current forward
         self.routing: dict[int, torch.Tensor] = {}  # layer -> top_k_index [T, k] of the current forward
+        self.first: torch.Tensor | None = None  # bool [T]: the current forward's rows at a sequence's first position
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -66,6 +70,8 @@ def hook_mlps(model: nn.Module, fn: MLPHook, inputs: bool = False) -> MLPHooks:
     inputs: also give each call the residual rows x that reached the MLP."""
     hooks = MLPHooks()
     acts = mlp_activations(model)
+    if inputs:
+        hooks.handles.append(model.model.register_forward_pre_hook(_positions_hook(hooks), with_kwargs=True))
     for i, layer in enumerate(model.model.layers):
         if inputs:
             hooks.handles.append(layer.post_attention_layernorm.register_forward_pre_hook(_resid_hook(hooks, i)))
@@ -83,6 +89,23 @@ def _resid_hook(hooks: MLPHooks, layer: int):
     return hook
 
 
+def _positions_hook(hooks: MLPHooks):
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        rows = ids if ids is not None else kwargs["inputs_embeds"]
+        B, S = rows.shape[:2]
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            pos = kwargs.get("cache_position")
+        if pos is None:
+            past = kwargs.get("past_key_values")
+            start = past.get_seq_length() if past is not None else 0
+            pos = torch.arange(start, start + S, device=rows.device)
+        hooks.first = (pos == 0).expand(B, S).reshape(-1)
+
+    return hook
+
+
 def _routing_hook(hooks: MLPHooks, layer: int):
     def hook(module, args, kwargs):
         hooks.routing[layer] = (args[1] if len(args) > 1 else kwargs["top_k_index"]).detach()  # [T, k]
@@ -95,12 +118,13 @@ def _act_hook(hooks: MLPHooks, layer: int, fn: MLPHook, inputs: bool):
         expert = kwargs.get("expert")
         width = h.shape[-1]
         gate, up = (args[0], args[1]) if len(args) > 1 else (args[0], kwargs["up"])
-        x = None
+        x = first = None
         if inputs:
-            x = hooks.resid[layer]
+            x, first = hooks.resid[layer], hooks.first
             if expert is not None:
-                x = x[torch.where(hooks.routing[layer] == expert)[0]]  # same order as the experts' token_idx
-        call = MLPCall(layer, int(expert or 0), gate.reshape(-1, width), up.reshape(-1, width), h.reshape(-1, width), x)
+                rows = torch.where(hooks.routing[layer] == expert)[0]  # same order as the experts' token_idx
+                x, first = x[rows], None if first is None else first[rows]
+        call = MLPCall(layer, int(expert or 0), gate.reshape(-1, width), up.reshape(-1, width), h.reshape(-1, width), x, first)
         out = fn(call)
         return None if out is None else out.reshape(h.shape)
 

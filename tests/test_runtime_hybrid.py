@@ -70,8 +70,9 @@ def test_exact_modes_match_hf_at_every_budget(llama, mode, budget):
 
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_sparse_computes_hot_neurons_in_full_and_predicted_cold_ones(llama, budget, monkeypatch):
-    """The reference: the HF model with each MLP masked to (predicted active) or (hot on the device). One-token steps
-    with native kernels run predictor and cold kernel as one native call (kernels.predict_mlp_native)."""
+    """The reference: the HF model with each MLP masked to (predicted active) or (hot on the device), the first
+    position exact (runtime/step.py first_positions). One-token steps with native kernels run predictor and cold
+    kernel as one native call (kernels.predict_mlp_native)."""
     model, ckpt = llama
     fused, real = [], kernels.predict_mlp_native
     monkeypatch.setattr(kernels, "predict_mlp_native", lambda *a: fused.append(1) or real(*a))
@@ -84,7 +85,7 @@ def test_sparse_computes_hot_neurons_in_full_and_predicted_cold_ones(llama, budg
         hot[row["layer"]] = mask
 
     def keep(call):
-        k = predictors.predict(call.layer, call.expert, call.x) | hot[call.layer]
+        k = predictors.predict(call.layer, call.expert, call.x) | hot[call.layer] | call.first[:, None]
         return torch.where(k, call.h, torch.zeros((), dtype=call.h.dtype))
 
     ids = _ids(seed=1)
