@@ -38,7 +38,7 @@ def masked_mlps(model, mode: str, predictors: PredictorSet | None = None, counts
         layer, expert, x, h = call.layer, call.expert, call.x, call.h
         fired = h != 0  # [N, I]
         keep = fired if mode == "oracle" else predictors.predict(layer, expert, x)
-        if mode == "predicted" and call.first is not None and bool(call.first.any()):
+        if mode == "predicted" and call.first is not None:
             keep = torch.where(call.first[:, None], fired, keep)
         if counts is not None:
             c = counts.setdefault((layer, expert), {"tp": 0, "fp": 0, "fn": 0, "tn": 0})

@@ -40,10 +40,9 @@ class SparseMLP:
     def __call__(self, layer: int, lw, xn: torch.Tensor, resid: torch.Tensor, out: torch.Tensor | None = None,
                  exact: torch.Tensor | None = None) -> None:
         """xn: [N, H] normed MLP input; resid: [N, H] the residual, the predictor's input, to which the output is added
-        (or to `out` [N, H] when given). exact: bool [N], rows the sparse mode computes with the exact mask (a
-        sequence's first position: runtime/step.py first_positions)."""
+        (or to `out` [N, H] when given). exact: bool [N] or None, in the sparse mode the rows to compute with the exact
+        mask (a sequence's first position: runtime/step.py first_positions)."""
         out = resid if out is None else out
-        exact = exact if exact is not None and self.model.mode == "sparse" and bool(exact.any()) else None
         if not self.model.moe:
             self._unit(layer, 0, lw, xn, resid, None, out, exact)
             return

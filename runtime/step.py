@@ -97,7 +97,7 @@ class Step:
         x: [B, T, H] embedded rows (PyTorch ops), or None: the native row, whose buffers hold the token."""
         m, row = self.model, self.row if x is None else None
         eps = m.config.rms_norm_eps
-        exact = None if row is not None or cache.length else first_positions(*x.shape[:2])
+        exact = first_positions(*x.shape[:2]) if row is None and not cache.length and m.mode == "sparse" else None
         for i, lw in enumerate(m.weights.layers):
             if row is not None:
                 row.attention(i)
@@ -119,9 +119,7 @@ def first_positions(batch: int, tokens: int) -> torch.Tensor:
     """bool [batch * tokens]: the rows (flattened [B, T]) at a sequence's first position, which every later position
     attends to (the attention sink). The sparse mode computes their MLPs with the exact mask: a predictor trained on
     packed text sees few first positions, and a neuron it misses there shifts every later token."""
-    first = torch.zeros(batch, tokens, dtype=torch.bool)
-    first[:, 0] = True
-    return first.flatten()
+    return torch.arange(batch * tokens) % tokens == 0
 
 
 def _check_room(cache: KVCache, tokens: int) -> None:
