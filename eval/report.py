@@ -27,6 +27,7 @@ from sparseforge.atomic import atomic_write_text
 from sparseforge.checkpoint import SPARSITY_PROVENANCE, read_artifact, recorded_source, write_artifact
 from sparseforge.errors import SparseforgeError
 from sparseforge.files import file_digest, read_json
+from sparseforge.predictors.mask import MASK_RULES
 
 EVAL_FORMAT_VERSION = 1
 CONFIGS = ("original", "oracle", "sparse")
@@ -165,7 +166,8 @@ def part_key(ckpt: Path, config: str, task: str, limit, context: int, backend: s
     """What a part's scores depend on: the task and its sample (a user task's YAML and data: `source`,
     task_names.task_source), the context, and the computation scored: weight files by content, config.json without
     provenance, the weight and KV cache dtypes where they are not float32, and, for the sparse row, the predictor
-    weights and thresholds (not the rest of predictors.json, which `predictors eval` rewrites without changing a mask)."""
+    weights and thresholds (not the rest of predictors.json, which `predictors eval` rewrites without changing a mask)
+    and the version of the rule that turns them into masks (predictors/mask.py MASK_RULES)."""
     if config == "original":
         model = {"spec": original}
     else:
@@ -176,6 +178,7 @@ def part_key(ckpt: Path, config: str, task: str, limit, context: int, backend: s
             files.append(ckpt / "predictors.safetensors")
             units = read_json(ckpt / "predictors.json").get("units", [])
             model["thresholds"] = [[u["layer"], u["expert"], u["threshold"]] for u in units]
+            model["mask_rules"] = MASK_RULES
         model["files"] = _file_digests(files)
     key = {"task": task, "limit": limit, "context": context, "model": model}
     return key if source is None else {**key, "source": source}

@@ -20,6 +20,10 @@ from sparseforge.predictors.store import PredictorSet
 from sparseforge.sparsify.measure import measure_sparsity
 
 MODES = ("oracle", "predicted")
+MASK_RULES = 2
+"""The version of the rule that turns predictor outputs into the neurons a sparse forward computes (masked_mlps
+below and the runtime's sparse mode, runtime/step.py). Cached scores of the sparse row (eval-parts) carry it in their
+key, so raising it whenever the rule changes makes `sparseforge eval` score that row again instead of reusing it."""
 Counts = dict[tuple[int, int], dict[str, int]]
 
 

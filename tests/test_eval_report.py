@@ -16,6 +16,7 @@ from sparseforge.cli import main  # noqa: E402
 from sparseforge.data import data_root  # noqa: E402
 from sparseforge.errors import SparseforgeError  # noqa: E402
 from sparseforge.checkpoint import recorded_source  # noqa: E402
+from sparseforge.eval import report as eval_report  # noqa: E402
 from sparseforge.eval.report import build_report, markdown, paired_delta  # noqa: E402
 from sparseforge.sparsify.convert import convert_model, model_card  # noqa: E402
 
@@ -76,7 +77,7 @@ def test_recorded_source_reads_convert_card(tmp_path):
 
 
 @pytest.mark.skipif(not (data_root() / "eval" / "piqa").is_dir(), reason="no local eval data (set SPARSEFORGE_DATA)")
-def test_eval_verb_end_to_end(tmp_path, one_thread, capsys):
+def test_eval_verb_end_to_end(tmp_path, one_thread, capsys, monkeypatch):
     dense, ckpt = tmp_path / "dense", tmp_path / "ckpt"
     model = tiny_model("llama", seed=2)
     model.save_pretrained(dense)
@@ -108,6 +109,11 @@ def test_eval_verb_end_to_end(tmp_path, one_thread, capsys):
     assert main([*argv[:3], "piqa,arc_easy", *argv[4:]]) == 0
     out = capsys.readouterr().out
     assert out.count("all 2 task(s) reused") == 2 and "sparse: loading" in out and "sparse sf_piqa:" in out and "sparse sf_arc_easy:" in out
+    # a new rule from predictor outputs to masks redoes only the sparse row too
+    monkeypatch.setattr(eval_report, "MASK_RULES", eval_report.MASK_RULES + 1)
+    assert main([*argv[:3], "piqa,arc_easy", *argv[4:]]) == 0
+    out = capsys.readouterr().out
+    assert out.count("all 2 task(s) reused") == 2 and "sparse: loading" in out and "sparse sf_piqa:" in out
 
     # parts are keyed by content: a copy of the checkpoint (new paths and mtimes, same bytes) scores nothing again,
     # nor does a config.json that differs only in provenance (how long the weights trained)
