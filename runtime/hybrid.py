@@ -6,7 +6,8 @@ fast device (a GPU, or the CPU itself), the cold neurons on the CPU where they s
 A placement plan made for the device budget (runtime/plan.py, reserving the always-touched weights and the KV cache
 but not the predictors or the head screen, which stay on the CPU with the cold neurons) names each layer's hot
 neurons. Each MLP becomes a `SplitUnit`: the hot neurons as two dense matrices on the device (gate and up rows
-stacked [2h, H], down columns [H, h]), computed in full for every row, so the hot part is exact whatever the mode; and
+stacked [2h, H], down columns [H, h]; on a checkpoint of tied halves whole pairs, each pair's one gate and one up row,
+so a hot pair costs four rows, not six), computed in full for every row, so the hot part is exact whatever the mode; and
 the cold neurons' bundles on the CPU, served through the units contract (runtime/units.py) to runtime/mlp.py, which
 computes the cold part in the engine's mode (the predictor's, the screen's or all cold neurons) with the native
 kernels. Per layer (`HybridMLP`): the normed MLP input and the residual are copied to the CPU, the device's part is
@@ -53,7 +54,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def device_plan(ckpt, device_memory: str, weight_dtype: str, context: int, kv_dtype: str = "float32") -> dict:
     """The placement plan of the device: its budget (a --fast-memory size: "6GB", "25%" of the MLP bytes on top of the
-    reserve) holds attention, embeddings, lm_head, norms and the KV cache, then the most frequent neurons."""
+    reserve) holds attention, embeddings, lm_head, norms and the KV cache, then the most frequent neurons (on a
+    checkpoint of tied halves, the most frequent pairs, each held whole: plan["tied_pairs"])."""
+    from sparseforge.checkpoint import load_config
     from sparseforge.runtime.plan import PlanRequest, make_plan
     from sparseforge.runtime.sizes import parse_size
 
@@ -61,8 +64,10 @@ def device_plan(ckpt, device_memory: str, weight_dtype: str, context: int, kv_dt
         size = parse_size(device_memory)
     except SparseforgeError as e:
         raise SparseforgeError(str(e).replace("--fast-memory", "--device-memory")) from None
+    tied = bool((load_config(ckpt).sparsity or {}).get("tied_halves"))  # hot pairs held whole (SplitUnits)
     try:
-        return make_plan(ckpt, PlanRequest(size, context=context, dtype=weight_dtype, predictors=False, head_screen=False, kv_dtype=kv_dtype))
+        return make_plan(ckpt, PlanRequest(size, context=context, dtype=weight_dtype, predictors=False, head_screen=False, kv_dtype=kv_dtype,
+                                           tied=tied))  # fmt: skip
     except SparseforgeError as e:
         raise SparseforgeError(str(e).replace("--fast-memory", "--device-memory")) from None
 
@@ -115,10 +120,12 @@ class SplitUnit:
     As an MLP unit (runtime/units.py) it serves the cold part through `inner`: ColdBundles, or a unit of the neuron
     store (runtime/store.py) when the cold neurons live on disk below a RAM budget. `local` [I] (bool) and `local_ids`
     mark the cold ones, so runtime/mlp.py requests and computes on the CPU only the cold neurons it selects.
-    `gate_up` [2h, H] and `down` [H, h] are the hot part (Linear, on the device)."""
+    `gate_up` [2h, H] and `down` [H, h] are the hot part (Linear, on the device); with `hot_pairs` the h hot neurons
+    are h/2 whole tied pairs: `gate_up` holds each pair's one gate and one up row [h, H] and `down` the first halves'
+    columns, then the second halves' [H, h]."""
 
-    def __init__(self, hot: torch.Tensor, gate_up: Linear, down: Linear, inner):
-        self.hot, self.gate_up, self.down, self.inner = hot, gate_up, down, inner
+    def __init__(self, hot: torch.Tensor, gate_up: Linear, down: Linear, inner, hot_pairs: bool = False):
+        self.hot, self.gate_up, self.down, self.inner, self.hot_pairs = hot, gate_up, down, inner, hot_pairs
         self.layer, self.expert, self.intermediate, self.hidden = inner.layer, inner.expert, inner.intermediate, inner.hidden
         self.tied = False  # part of the MLP is on the device
         self.local = torch.ones(self.intermediate, dtype=torch.bool)
@@ -175,24 +182,42 @@ class SplitUnits:
             raise SparseforgeError(f"the checkpoint has {plan['num_experts']} experts per layer; the hybrid device tier supports dense MLPs "
                                    "only: run it without --device (CPU engine, with --fast-memory for the disk tier)")  # fmt: skip
         self.hot_of, self.device, self.threads, self.native, self.store = device_hot(plan), device, threads, native, store
+        self.tied = bool(plan.get("tied_pairs"))  # the plan holds whole tied pairs (device_plan)
         self.plan = None if store is None else store.plan  # what the engine checks its CPU reserve against
 
     def __call__(self, layer: int, expert: int, reader) -> SplitUnit:
         gate, up, down = reader.mlp(layer, expert)
         hot = torch.tensor(self.hot_of[layer], dtype=torch.long)
         linear = (lambda w: _device_linear(w, reader.weight_dtype, self.device, self.threads, self.native))  # fmt: skip
-        gate_up, down_hot = linear(torch.cat([gate[hot], up[hot]])), linear(down[:, hot])
+        if self.tied:
+            firsts = _hot_pairs(layer, hot, gate, up)
+            gate_up, down_hot = linear(torch.cat([gate[firsts], up[firsts]])), linear(down[:, hot])
+        else:
+            gate_up, down_hot = linear(torch.cat([gate[hot], up[hot]])), linear(down[:, hot])
         if self.store is not None:
-            return SplitUnit(hot, gate_up, down_hot, self.store(layer, expert, reader))
+            return SplitUnit(hot, gate_up, down_hot, self.store(layer, expert, reader), self.tied)
         cold = torch.ones(gate.shape[0], dtype=torch.bool)
         cold[hot] = False
         ids = cold.nonzero().flatten()
         parts = convert_bundles(make_bundles(gate[ids], up[ids], down[:, ids]), WEIGHT_DTYPES[reader.weight_dtype])
-        return SplitUnit(hot, gate_up, down_hot, ColdBundles(layer, expert, ids, *parts, gate.shape[0]))
+        return SplitUnit(hot, gate_up, down_hot, ColdBundles(layer, expert, ids, *parts, gate.shape[0]), self.tied)
 
     def stats(self) -> dict:
         """The neuron store's counters (runtime/store.py), when the cold neurons live on disk."""
         return self.store.stats() if self.store is not None else {}
+
+
+def _hot_pairs(layer: int, hot: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The first halves of a tied plan's hot neurons `hot` (ascending), checked to be whole pairs of tied halves."""
+    half = gate.shape[0] // 2
+    firsts = hot[hot < half]
+    if not torch.equal(hot[hot >= half], firsts + half):
+        raise SparseforgeError(f"layer {layer}: the device plan holds tied pairs but its hot neurons are not whole pairs; "
+                               "make the plan again with this sparseforge (device_plan)")  # fmt: skip
+    if not (torch.equal(gate[firsts], gate[firsts + half]) and torch.equal(up[firsts], -up[firsts + half])):
+        raise SparseforgeError(f"layer {layer}: config.json says tied_halves but the hot pairs' gate and up rows are not tied; "
+                               "set sparsity.tied_halves to false in config.json (or re-save the checkpoint with sparseforge train)")
+    return firsts
 
 
 def _device_linear(w: torch.Tensor, weight_dtype: str, device: torch.device, threads: int, native: bool) -> Linear:
@@ -263,7 +288,8 @@ class HybridMLP:
 
     def _hot(self, layer: int, unit: SplitUnit, x: torch.Tensor) -> torch.Tensor:
         g, u = unit.gate_up(x).chunk(2, dim=-1)
-        h = self.model.activations[layer](g, u)
+        act = self.model.activations[layer]
+        h = torch.cat([act(g, u), act(g, -u)], dim=-1) if unit.hot_pairs else act(g, u)  # a second half's up row is -u
         self.meter.device_fired += (h != 0).sum()
         self.meter.mlp(h.numel(), h.numel(), 0, unit.device_bytes)
         return unit.down(h)

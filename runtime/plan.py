@@ -12,7 +12,9 @@ bundles. The plan maximises the expected number of resident hits per token, i.e.
 neurons, subject to `sum(hot bundle bytes) <= MLP budget`. Every bundle of a model costs the same (one hidden size,
 one dtype), so the best plan holds `floor(budget / bundle bytes)` neurons, and the globally most frequent ones are
 optimal (exchange argument: swapping a chosen neuron for a more frequent unchosen one keeps the cost and does not
-lower the value). That is `hot_counts`.
+lower the value). That is `hot_counts`. A hybrid engine's device on a checkpoint of tied halves (`tied_pairs`)
+holds whole pairs, one gate row, one up row and two down columns each (two rows a half, not three), ranked by pair:
+the same argument over pairs.
 """
 
 import math
@@ -62,16 +64,16 @@ def pair_predictors(ckpt: str | Path) -> bool:
     return path.is_file() and bool(read_json(path).get("pairs", False))
 
 
-def placement_ranks(ckpt: str | Path, counts: torch.Tensor) -> tuple[torch.Tensor, str]:
+def placement_ranks(ckpt: str | Path, counts: torch.Tensor, pairs: bool | None = None) -> tuple[torch.Tensor, str]:
     """(ranks [L, E, I] int64, what they are) by which neurons are placed: plans, the neuron store's hot/pool
     split and the bundle file's order all take the highest first. counts: the profile's firing counts [L, E, I].
 
-    Neuron predictors: the counts. Pair predictors: a predicted pair computes both halves (neurons j and I/2 + j),
-    so each half ranks as its pair, by the halves' summed counts (at most one half of a tied pair fires), ties
-    broken by the lower pair index. The two halves of a pair then sit next to each other in every ranking, and a
-    cut after an even number of neurons keeps or drops both."""
+    Neuron predictors: the counts. Pair predictors (or pairs=True: a tier that holds tied pairs whole): a predicted
+    pair computes both halves (neurons j and I/2 + j), so each half ranks as its pair, by the halves' summed counts
+    (at most one half of a tied pair fires), ties broken by the lower pair index. The two halves of a pair then sit
+    next to each other in every ranking, and a cut after an even number of neurons keeps or drops both."""
     counts = counts.to(torch.int64, copy=True)  # callers mark excluded neurons in the ranks, never in the profile's counts
-    if not pair_predictors(ckpt):
+    if not (pair_predictors(ckpt) if pairs is None else pairs):
         return counts, "profile frequency"
     half = counts.shape[-1] // 2
     pair = counts[..., :half] + counts[..., half:]
@@ -91,6 +93,7 @@ class PlanRequest:
     head_screen: bool = True  # reserve the lm_head's int8 screen (float dtypes), which engines build by default
     predictors: bool = True  # reserve the predictors (a hybrid engine's device plan: False, they run on the CPU)
     kv_dtype: str = "float32"  # the engine's KV cache dtype (Engine.load kv_dtype)
+    tied: bool = False  # hot neurons held as whole tied pairs, two rows a half (a hybrid engine's device, tied halves)
 
 
 def _rate(hit: int, total: int) -> float | None:
@@ -120,7 +123,7 @@ def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[in
         )
     reserve = reserve_bytes(ckpt, shape, headers, dtype, request.context, predictor_dtype if request.predictors else None, request.head_screen,
                             request.kv_dtype)
-    per_neuron = neuron_bytes(shape.hidden, dtype)
+    per_neuron = neuron_bytes(shape.hidden, dtype, request.tied)
     neurons = shape.layers * shape.experts * shape.intermediate
     mlp_total = neurons * per_neuron
     fm = request.fast_memory
@@ -137,7 +140,7 @@ def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[in
                 f"({human_bytes(reserve['total'])}: {parts}) for dtype {dtype} and context {request.context}; pass at least "
                 f"{math.ceil(reserve['total'] / 2**20)}MiB, a smaller --context or dtype, or a percentage such as 25%"
             )
-    rank, ranked_by = placement_ranks(ckpt, counts)
+    rank, ranked_by = placement_ranks(ckpt, counts, pairs=True if request.tied else None)
     for layer, ids in (exclude or {}).items():
         rank[layer, 0, ids] = -1
     units = [rank[i, e] for i in range(shape.layers) for e in range(shape.experts)]
@@ -170,6 +173,7 @@ def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[in
         "kv_dtype": request.kv_dtype,
         "always_touched": reserve,
         "bytes_per_neuron": per_neuron,
+        "tied_pairs": request.tied,
         "mlp": {
             "neurons": neurons,
             "total_bytes": mlp_total,

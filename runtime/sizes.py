@@ -68,12 +68,15 @@ def matrix_bytes(shape: list[int], dtype: str) -> int:
     return numel + (numel // shape[-1]) * INT8_SCALE_BYTES
 
 
-def neuron_bytes(hidden: int, dtype: str) -> int:
+def neuron_bytes(hidden: int, dtype: str, tied: bool = False) -> int:
     """Bytes of one neuron bundle (gate row + up row + down column, 3 x hidden elements). int8: each of the
-    three is stored as one int8 row of `hidden` (down transposed) with its own float32 scale."""
+    three is stored as one int8 row of `hidden` (down transposed) with its own float32 scale. tied: one half of a
+    tied pair held whole (a hybrid engine's device: the pair's one gate row, one up row and two down columns, so two
+    rows per half)."""
+    rows = 2 if tied else 3
     if dtype == "int8":
-        return 3 * (hidden + INT8_SCALE_BYTES)
-    return 3 * hidden * ELEMENT_BYTES[dtype]
+        return rows * (hidden + INT8_SCALE_BYTES)
+    return rows * hidden * ELEMENT_BYTES[dtype]
 
 
 def check_kv_dtype(kv_dtype: str) -> None:
