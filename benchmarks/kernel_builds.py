@@ -1,6 +1,7 @@
 """Kernel library builds side by side: the decode breakdown of benchmarks/kernels.py under each build's macro
-definitions (-D flags through $SPARSEFORGE_KERNEL_FLAGS, e.g. a prefetch distance), to decide a kernel constant by
-measurement.
+definitions (-D flags through $SPARSEFORGE_KERNEL_FLAGS, e.g. a prefetch distance) and runtime settings (SPARSEFORGE_*
+environment variables, e.g. SPARSEFORGE_HUGE_PAGES=0: weights on 4 KB pages, runtime/pages.py), to decide a kernel
+constant or a setting by measurement.
 
     python benchmarks/kernel_builds.py --ckpt runs/quickstart/checkpoint --builds SF_MLP_AHEAD=4 "" \\
         --runs oracle:int8 screen:float32 sparse:float32 --rounds 5 --out kernel-builds-ahead-t2
@@ -51,13 +52,18 @@ def child(args) -> None:
 
 
 def run_build(args, flags: str) -> list[dict]:
-    """The child's rows under the build's macro definitions `flags` ("NAME=VALUE ...")."""
+    """The child's rows under the build's `flags` ("NAME=VALUE ..."): SPARSEFORGE_* names go into the child's
+    environment, the others are the kernel library's macro definitions."""
     from sparseforge.runtime.kernels import FLAGS_ENV
+
+    pairs = [d.split("=", 1) if "=" in d else (d, "") for d in flags.split()]
+    settings = {k: v for k, v in pairs if k.startswith("SPARSEFORGE_")}
+    macros = " ".join(f"-D{k}={v}" if v else f"-D{k}" for k, v in pairs if k not in settings)
 
     cmd = [sys.executable, __file__, "--child", "--ckpt", args.ckpt, "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
            "--prompt-tokens", str(args.prompt_tokens),
            "--runs", *[":".join(run) for run in args.runs]] + (["--full-head"] if args.full_head else [])  # fmt: skip
-    done = subprocess.run(cmd, env={**os.environ, FLAGS_ENV: " ".join(f"-D{d}" for d in flags.split())}, capture_output=True, text=True)
+    done = subprocess.run(cmd, env={**os.environ, **settings, FLAGS_ENV: macros}, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"build {flags or '(default)'!r} failed: {done.stderr.strip()[-800:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -84,7 +90,8 @@ def summarize(rounds: list[dict[str, list[dict]]], builds: list[str]) -> list[di
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="a sparse checkpoint (with predictors for a sparse run)")
-    p.add_argument("--builds", nargs="+", default=None, help='each build\'s macro definitions, space-separated, e.g. SF_MLP_AHEAD=4 "" ("": the default build)')
+    p.add_argument("--builds", nargs="+", default=None, help='each build\'s macro definitions and SPARSEFORGE_* settings, space-separated, e.g. SF_MLP_AHEAD=4 '
+                   'SPARSEFORGE_HUGE_PAGES=0 "" ("": the default build)')
     p.add_argument("--runs", nargs="+", type=parse_run, default=[("oracle", "int8", "float32")],
                    help="MODE:DTYPE[:KV] engines to time, e.g. oracle:int8 screen:float32 oracle:int8:float16 (KV: the cache's dtype, default float32)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of every build (the order alternates)")

@@ -28,6 +28,7 @@ its screen would be.
 import torch
 
 from sparseforge.runtime import kernels
+from sparseforge.runtime.pages import huge_empty
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TOP_K = 1024  # top-k screens up to this k (csrc SF_HEAD_TOPK); a larger k reads the whole head
@@ -59,7 +60,7 @@ class HeadScreen:
             raise ValueError(f"a head screen needs a float32, bfloat16 or float16 head, not {weight.dtype}")
         self.weight, self.threads = weight, threads
         rows, cols = weight.shape
-        self.q = torch.empty(rows, cols, dtype=torch.int8)
+        self.q = huge_empty((rows, cols), torch.int8)
         self.scales = torch.empty(rows)
         self.radius = torch.empty(rows)
         self.qabs = torch.empty(rows)

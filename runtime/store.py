@@ -37,6 +37,7 @@ import torch
 
 from sparseforge.errors import SparseforgeError
 from sparseforge.runtime.bundles import MERGE_GAP, BundleFile, ensure_bundles
+from sparseforge.runtime.pages import huge_empty
 from sparseforge.runtime.plan import PlanRequest, hot_counts, load_plan, make_plan, placement_ranks
 from sparseforge.runtime.sizes import human_bytes, parse_size
 from sparseforge.runtime.units import Request
@@ -235,7 +236,7 @@ class NeuronStore:
         self.pool_start = at
         n = at + self.pool_slots
         with torch.inference_mode(False):  # normal tensors: the reader thread writes them outside inference mode
-            self.bundles = torch.empty((n, 3, self.file.hidden), dtype=WEIGHT_DTYPES[self.file.dtype])
+            self.bundles = huge_empty((n, 3, self.file.hidden), WEIGHT_DTYPES[self.file.dtype])  # rows read scattered
             self.scales = torch.empty(n, 3, dtype=torch.float32) if self.file.dtype == "int8" else None
         self.neuron_in = np.full(n, -1, dtype=np.int64)  # [S] slot -> neuron id of its owner unit, -1 empty
         self.owner = np.full(n, -1, dtype=np.int64)  # [S] slot -> index of the unit whose neuron it holds

@@ -30,6 +30,8 @@ from typing import Protocol
 
 import torch
 
+from sparseforge.runtime.pages import huge_copy, huge_empty
+
 _EMPTY = torch.empty(0, dtype=torch.long)
 
 
@@ -104,10 +106,12 @@ def quantize_bundles(bundles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
 def convert_bundles(bundles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """A unit's bundles [I, 3, H] in `dtype`: (bundles, row scales [I, 3], channel scales [H]); the scales are None
-    unless dtype is int8 (quantize_bundles). What resident units hold and what bundle files store."""
+    unless dtype is int8 (quantize_bundles), the bundles on huge pages (runtime/pages.py). What resident units hold and
+    what bundle files store."""
     if dtype == torch.int8:
-        return quantize_bundles(bundles)
-    return bundles.to(dtype).contiguous(), None, None
+        q, scales, channels = quantize_bundles(bundles)
+        return huge_copy(q), scales, channels
+    return huge_empty(bundles.shape, dtype).copy_(bundles), None, None
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,3 +60,18 @@ def test_two_builds_time_the_same_checkpoint(tmp_path):
         ("dense", "float32", "float16", "SF_MLP_AHEAD=4"), ("dense", "float32", "float16", "(default)")]
     assert all(r["tok_s"] > 0 and r["sparse_mlp_native"] > 0 and len(r["tok_s_all"]) == 2 for r in data["rows"])
     assert list(data["rounds"][1]) == ["", "SF_MLP_AHEAD=4"]  # the order alternates
+
+
+def test_a_build_s_sparseforge_settings_go_to_the_child_s_environment(monkeypatch):
+    bench = load_script("kernel_builds")
+    seen = {}
+
+    def fake_run(cmd, env, capture_output, text):
+        seen.update(env)
+        return subprocess.CompletedProcess(cmd, 0, stdout="[]\n", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.delenv("SPARSEFORGE_HUGE_PAGES", raising=False)
+    args = bench.argparse.Namespace(ckpt="ckpt", threads=1, new_tokens=2, prompt_tokens=4, runs=[("oracle", "int8", "float32")], full_head=False)
+    assert bench.run_build(args, "SF_MLP_AHEAD=4 SPARSEFORGE_HUGE_PAGES=0 SF_PREFETCH") == []
+    assert seen["SPARSEFORGE_HUGE_PAGES"] == "0" and seen[kernels.FLAGS_ENV] == "-DSF_MLP_AHEAD=4 -DSF_PREFETCH"
