@@ -22,10 +22,13 @@ DEFAULT_CKPT = Path(__file__).resolve().parents[1] / "runs" / "smollm2-135m-drel
 def measure_bandwidth(threads: int, mib: int = 1024, reps: int = 7) -> dict:
     """Read bandwidth (GB/s) of a `mib` MiB float32 sum and copy bandwidth (read + write) at this thread count.
 
-    The sum reads every byte once like a decode step reads its weights; it is the roofline's bandwidth."""
+    The sum reads every byte once like a decode step reads its weights; it is the roofline's bandwidth. Both buffers
+    are on the engine's kind of memory (runtime/pages.py: 2 MB pages where the system gives them)."""
+    from sparseforge.runtime.pages import huge_empty
+
     torch.set_num_threads(threads)
-    a = torch.ones(mib * 2**20 // 4)
-    b = torch.empty_like(a)
+    a = huge_empty((mib * 2**20 // 4,), torch.float32).fill_(1.0)
+    b = huge_empty(a.shape, torch.float32)
     reads, copies = [], []
     for _ in range(reps):
         t = time.perf_counter()

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_CKPT, bytes_bound, markdown_table, median, mlp_bytes, mode_runs, ratios, setup, OUT_HELP, time_stream, write_results  # noqa: E402
+from common import DEFAULT_CKPT, bytes_bound, markdown_table, measure_bandwidth, median, mlp_bytes, mode_runs, ratios, setup, OUT_HELP, time_stream, write_results  # noqa: E402
 from gguf_export import cached_gguf, original_smollm2_gguf  # noqa: E402
 from powerinfer_run import POWERINFER_TYPES, PowerInfer, parse_powerinfer_log, powerinfer_ggufs  # noqa: E402, F401
 
@@ -338,10 +338,12 @@ def run(args) -> None:
         c.run(ids, 4)
         if isinstance(c, Sparseforge):  # the only engine that records statistics
             c.forget()
+    probes = []  # the read bandwidth after each repetition: the machine's memory speed drifts, and a dense step follows it
     for rep in range(args.reps):
         for _, c in contestants:
             runs[id(c)].append(c.run(ids, args.new_tokens))
             print(f"rep {rep}: {c.name}: prefill {runs[id(c)][-1][0]:.3f}s decode {runs[id(c)][-1][1]:.1f} tok/s", file=sys.stderr, flush=True)
+        probes.append(measure_bandwidth(args.threads, mib=256, reps=3)["read_gbs"])
     rows = []
     for prec, c in contestants:
         r = runs[id(c)]
@@ -365,12 +367,13 @@ def run(args) -> None:
         if hasattr(c, "close"):
             c.close()
     gc.collect()
-    data = {"command": "python " + " ".join(sys.argv), "environment": env, "bandwidth": bandwidth, "prompt_tokens": args.prompt_tokens,
+    data = {"command": "python " + " ".join(sys.argv), "environment": env, "bandwidth": bandwidth, "bandwidth_reps": probes, "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "reps": args.reps, "rows": rows, "notes": notes}  # fmt: skip
     cols = [("precision", "precision", ""), ("engine", "engine", ""), ("decode_tps", "decode tok/s", ".1f"), ("prefill_tps", "prefill tok/s", ".0f"),
             ("sparse_speedup", "sparse ÷ this", ".2f"), ("sparse_speedup_paired", "paired", ".2f"), ("mb_per_token", "MB touched / token", ".1f"), ("roofline", "roofline fraction", ".2f"),
             ("of_bound", "of bytes bound", ".2f"), *([("over_reference", "÷ reference", ".2f")] if args.reference else []), ("neurons_computed", "neurons computed", ".3f"), ("neurons_fired", "neurons fired", ".3f")]  # fmt: skip
-    table = markdown_table(rows, cols) + f"\n\nread bandwidth {bandwidth['read_gbs']:.1f} GB/s, copy {bandwidth['copy_gbs']:.1f} GB/s ({args.threads} threads)"
+    table = markdown_table(rows, cols) + (f"\n\nread bandwidth {bandwidth['read_gbs']:.1f} GB/s, copy {bandwidth['copy_gbs']:.1f} GB/s ({args.threads} "
+                                          f"threads); after each repetition {min(probes):.1f}–{max(probes):.1f} GB/s (256 MiB read)")  # fmt: skip
     table += "".join(f"\n- {n}" for n in notes)
     for path in write_results(args.out or f"decode-t{args.threads}", data, table):
         print(f"wrote {path}")

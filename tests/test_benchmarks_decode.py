@@ -3,11 +3,15 @@ up front, and, when POWERINFER_BIN and POWERINFER_F16_GGUF name a real build and
 bytes bound, and the int8 block's llama.cpp rows."""
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from scripts import load_script
+from scripts import BENCHMARKS, load_script
+from tiny import profiled_checkpoint
 
 from sparseforge.errors import SparseforgeError
 
@@ -145,3 +149,17 @@ def test_also_engines_are_checked_up_front(decode, tmp_path):
         decode.also_engines([f"{tmp_path}/ckpt"])
     with pytest.raises(SparseforgeError, match="is not a checkpoint directory"):
         decode.also_engines([f"{tmp_path}/missing:screen"])
+
+
+def test_a_run_probes_the_read_bandwidth_after_each_repetition(tmp_path):
+    """A whole run on a tiny checkpoint: every row timed in each repetition, the bandwidth probed after each."""
+    ckpt = profiled_checkpoint(tmp_path, "llama")[0]
+    out = tmp_path / "res" / "dec"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "decode.py"), "--ckpt", str(ckpt), "--modes", "oracle", "dense", "--precisions", "fp32",
+                           "--no-hf", "--no-llama-cpp", "--reps", "2", "--new-tokens", "3", "--threads", "1", "--out", str(out)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert len(data["bandwidth_reps"]) == 2 and all(b > 0 for b in data["bandwidth_reps"])
+    assert [len(r["decode_all"]) for r in data["rows"]] == [2, 2]
+    assert "after each repetition" in out.with_suffix(".md").read_text()
