@@ -15,7 +15,7 @@ from sparseforge.hooks import hook_mlps
 from sparseforge.predictors.profile import profile_model, save_profile
 from sparseforge.predictors.store import load_predictors
 from sparseforge.runtime import kernels
-from sparseforge.runtime.engine import Engine
+from sparseforge.runtime.engine import Engine, open_engine
 from sparseforge.runtime.hybrid import device_plan
 from sparseforge.runtime.plan import PlanRequest, make_plan
 from sparseforge.runtime.sizes import parse_size
@@ -81,3 +81,17 @@ def test_a_config_that_says_tied_over_rows_that_are_not_is_refused(tmp_path):
     save_profile(tmp_path / "ckpt", *profile_model(model, random_windows(4, 32), tokens=128, batch_size=2, coact_tokens=16, block_size=8, progress=False))
     with pytest.raises(SparseforgeError, match="layer 1: config.json says tied_halves but the hot pairs' gate and up rows are not tied"):
         Engine.load(tmp_path / "ckpt", mode="oracle", context=32, progress=False, device="cpu", device_memory="50%")
+
+
+def test_with_the_disk_tier_the_store_serves_the_pairs_the_device_does_not_hold(trained):  # noqa: F811
+    """--device with --fast-memory on tied halves: the device's whole pairs, the store's cold ones, the logits of the
+    HF model (oracle)."""
+    ckpt, model, _ = trained
+    ids = torch.tensor(random_windows(1, 10, seed=7))
+    with torch.no_grad():
+        ref = model(ids).logits
+    with open_engine(ckpt, mode="oracle", context=32, progress=False, device="cpu", device_memory="40%", fast_memory="30%") as engine:
+        units = [lw.units[0] for lw in engine.model.weights.layers]
+        assert all(u.hot_pairs and u.gate_up.weight.shape[0] == u.hot.numel() for u in units)
+        torch.testing.assert_close(_logits(engine, ids), ref, atol=2e-5, rtol=1e-4)
+        assert all((u.inner.slot_of[u.hot.numpy()] == -1).all() for u in units)  # the store never holds the device's
