@@ -41,6 +41,41 @@ def measure_bandwidth(threads: int, mib: int = 1024, reps: int = 7) -> dict:
     return {"threads": threads, "bytes": n, "read_gbs": n / statistics.median(reads) / 1e9, "copy_gbs": 2 * n / statistics.median(copies) / 1e9}
 
 
+PARTS = "eval-parts"  # sparseforge.eval.report PARTS_DIR: scored (row, task) parts, keyed by what they depend on
+
+
+def checkpoint_view(ckpt: Path, view: Path) -> Path:
+    """view/: a checkpoint a benchmark may rewrite (thresholds, predictors, eval.json) while `ckpt` stays as it is:
+    its JSON files copied, every other file and folder a symlink (only read; writers replace files atomically, so a
+    write lands in the view), and its eval parts copied beside the view's own, which stay (they are keyed, so a rerun
+    reuses what it already scored). Made again from `ckpt` on every call."""
+    import shutil
+
+    from sparseforge.errors import SparseforgeError
+
+    if view.resolve() == ckpt.resolve():
+        raise SparseforgeError(f"the view {view} is the checkpoint itself; name another folder, e.g. {ckpt.parent / (ckpt.name + '-view')}")
+    view.mkdir(parents=True, exist_ok=True)
+    for old in view.iterdir():
+        if old.name == PARTS:
+            continue
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+    for f in ckpt.iterdir():
+        if f.name == PARTS:
+            (view / PARTS).mkdir(exist_ok=True)
+            for part in f.iterdir():
+                if not (view / PARTS / part.name).exists():
+                    shutil.copy2(part, view / PARTS / part.name)
+        elif f.suffix == ".json":
+            shutil.copy2(f, view / f.name)
+        else:
+            (view / f.name).symlink_to(f.resolve())
+    return view
+
+
 def time_stream(tokens) -> tuple[float, float, int]:
     """Consume a token iterator started just now: (seconds to the first token, decode tokens/s after it, tokens)."""
     start = time.perf_counter()
@@ -88,7 +123,20 @@ def environment(threads: int) -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "huge_pages": _huge_pages(),
     }
+
+
+def _huge_pages() -> str:
+    """What the engine's weights sit on (runtime/pages.py): "2 MB" where it asks for huge pages and the system's
+    transparent huge pages allow them ("always" or "madvise"), else "4 KB"."""
+    from sparseforge.runtime.pages import enabled
+
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        mode = "never"
+    return "2 MB" if enabled() and mode in ("always", "madvise") else "4 KB"
 
 
 def cpu_model() -> str | None:

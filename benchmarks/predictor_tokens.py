@@ -21,8 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT_HELP, environment, markdown_table, results_path, write_results  # noqa: E402
-from recall_curve import scratch_view  # noqa: E402
+from common import OUT_HELP, checkpoint_view, environment, markdown_table, results_path, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = [("tokens", "training tokens", ","), ("budget", "budget", "g"), ("train_min", "train min", ".1f"),
@@ -47,7 +46,7 @@ def run_variant(ckpt: Path, view: Path, tokens: int, budget: float, args, skip: 
     from sparseforge.predictors.fit import FitConfig
     from sparseforge.predictors.verbs import evaluate, train_predictors
 
-    scratch_view(ckpt, view)
+    checkpoint_view(ckpt, view)
     for name in ("predictors.json", "predictors.safetensors"):  # the checkpoint's own: the view links to its weights
         (view / name).unlink(missing_ok=True)
     data = tuple(args.data) if args.data else None

@@ -1,8 +1,8 @@
 """Recall against cost: for each recall target, how many neurons the predictors mark active and what that costs in
 perplexity and accuracy, on fresh text, beside the exact mask; and the knee `predictors calibrate` picks.
 
-Works on a scratch view of the checkpoint (its JSON files copied, every other file linked), so the checkpoint
-itself is never modified. One `predictors calibrate` without a target gives the whole curve: per recall target
+Works on a scratch view of the checkpoint (common.py checkpoint_view: its JSON files copied, every other file
+linked), so the checkpoint itself is never modified. One `predictors calibrate` without a target gives the whole curve: per recall target
 R, thresholds from the held-out tokens, then recall, predicted-active fraction and perplexity vs the exact mask
 on fresh text (as many tokens as the held-out set, those `predictors eval` reads), and the knee. With --tasks,
 each point's thresholds are set again (`--target-recall R`) and lm-eval runs through the sparse runtime with
@@ -14,26 +14,13 @@ Writes benchmarks/results/<out>.json and .md.
 """
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT_HELP, environment, markdown_table, results_path, write_results  # noqa: E402
+from common import OUT_HELP, checkpoint_view, environment, markdown_table, results_path, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def scratch_view(ckpt: Path, scratch: Path) -> Path:
-    """scratch/: the checkpoint's JSON files and eval parts copied, every other file a symlink (weights are only read)."""
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
-    for f in ckpt.iterdir():
-        if f.suffix == ".json" or f.is_dir():
-            (shutil.copytree if f.is_dir() else shutil.copy2)(f, scratch / f.name)
-        else:
-            (scratch / f.name).symlink_to(f.resolve())
-    return scratch
 
 
 def mean_accuracy(report: dict, config: str) -> dict:
@@ -62,7 +49,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     env = environment(args.threads)
     ckpt = Path(args.ckpt)
-    view = scratch_view(ckpt, Path(args.work) / results_path(args.out).name)
+    view = checkpoint_view(ckpt, Path(args.work) / results_path(args.out).name)
     recalls = tuple(sorted(float(r) for r in args.recalls.split(",")))
     tasks = args.tasks.split(",") if args.tasks else []
     curve = calibrate(str(view), None, recalls=recalls, max_ppl_increase=args.max_ppl_increase, threads=args.threads, progress=False)["curve"]

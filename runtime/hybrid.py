@@ -182,25 +182,22 @@ class SplitUnits:
             raise SparseforgeError(f"the checkpoint has {plan['num_experts']} experts per layer; the hybrid device tier supports dense MLPs "
                                    "only: run it without --device (CPU engine, with --fast-memory for the disk tier)")  # fmt: skip
         self.hot_of, self.device, self.threads, self.native, self.store = device_hot(plan), device, threads, native, store
-        self.tied = bool(plan.get("tied_pairs"))  # the plan holds whole tied pairs (device_plan)
+        self.hot_pairs = bool(plan.get("tied_pairs"))  # the plan holds whole tied pairs (device_plan)
         self.plan = None if store is None else store.plan  # what the engine checks its CPU reserve against
 
     def __call__(self, layer: int, expert: int, reader) -> SplitUnit:
         gate, up, down = reader.mlp(layer, expert)
         hot = torch.tensor(self.hot_of[layer], dtype=torch.long)
         linear = (lambda w: _device_linear(w, reader.weight_dtype, self.device, self.threads, self.native))  # fmt: skip
-        if self.tied:
-            firsts = _hot_pairs(layer, hot, gate, up)
-            gate_up, down_hot = linear(torch.cat([gate[firsts], up[firsts]])), linear(down[:, hot])
-        else:
-            gate_up, down_hot = linear(torch.cat([gate[hot], up[hot]])), linear(down[:, hot])
+        rows = _hot_pairs(layer, hot, gate, up) if self.hot_pairs else hot  # the gate and up rows the device holds
+        gate_up, down_hot = linear(torch.cat([gate[rows], up[rows]])), linear(down[:, hot])
         if self.store is not None:
-            return SplitUnit(hot, gate_up, down_hot, self.store(layer, expert, reader), self.tied)
+            return SplitUnit(hot, gate_up, down_hot, self.store(layer, expert, reader), self.hot_pairs)
         cold = torch.ones(gate.shape[0], dtype=torch.bool)
         cold[hot] = False
         ids = cold.nonzero().flatten()
         parts = convert_bundles(make_bundles(gate[ids], up[ids], down[:, ids]), WEIGHT_DTYPES[reader.weight_dtype])
-        return SplitUnit(hot, gate_up, down_hot, ColdBundles(layer, expert, ids, *parts, gate.shape[0]), self.tied)
+        return SplitUnit(hot, gate_up, down_hot, ColdBundles(layer, expert, ids, *parts, gate.shape[0]), self.hot_pairs)
 
     def stats(self) -> dict:
         """The neuron store's counters (runtime/store.py), when the cold neurons live on disk."""
@@ -222,7 +219,7 @@ def _hot_pairs(layer: int, hot: torch.Tensor, gate: torch.Tensor, up: torch.Tens
 
 def _device_linear(w: torch.Tensor, weight_dtype: str, device: torch.device, threads: int, native: bool) -> Linear:
     """A hot matrix on the device; on the CPU as the CPU engine runs its matrices (runtime/weights.py Linear)."""
-    weight, scales = convert(w.contiguous(), weight_dtype)
+    weight, scales = convert(w, weight_dtype)
     return Linear(weight.to(device), None if scales is None else scales.to(device), None, threads, native=native and device.type == "cpu")
 
 

@@ -31,7 +31,7 @@ def huge_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized contiguous CPU tensor, 2 MB-aligned and marked for huge pages where it spans one (module
     docstring); its memory is unmapped when the last tensor viewing it is freed."""
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if nbytes < HUGE_PAGE or not enabled():
         return torch.empty(shape, dtype=dtype)
     buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -44,11 +44,6 @@ def huge_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset).view(shape)  # the tensor keeps buf alive
 
 
-def huge_copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of CPU tensor t (any dtype it converts to itself) in huge_empty's memory; t itself where
-    huge_empty would give ordinary pages anyway."""
-    if t.device.type != "cpu" or t.numel() * t.element_size() < HUGE_PAGE or not enabled():
-        return t.contiguous()
-    out = huge_empty(t.shape, t.dtype)
-    out.copy_(t)
-    return out
+def huge_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A fresh contiguous copy of CPU tensor t, converted to `dtype` (default its own), in huge_empty's memory."""
+    return huge_empty(t.shape, dtype or t.dtype).copy_(t)

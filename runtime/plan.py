@@ -140,7 +140,7 @@ def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[in
                 f"({human_bytes(reserve['total'])}: {parts}) for dtype {dtype} and context {request.context}; pass at least "
                 f"{math.ceil(reserve['total'] / 2**20)}MiB, a smaller --context or dtype, or a percentage such as 25%"
             )
-    rank, ranked_by = placement_ranks(ckpt, counts, pairs=True if request.tied else None)
+    rank, ranked_by = placement_ranks(ckpt, counts, pairs=request.tied or None)
     for layer, ids in (exclude or {}).items():
         rank[layer, 0, ids] = -1
     units = [rank[i, e] for i in range(shape.layers) for e in range(shape.experts)]

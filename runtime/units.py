@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from sparseforge.runtime.pages import huge_copy, huge_empty
+from sparseforge.runtime.pages import huge_copy
 
 _EMPTY = torch.empty(0, dtype=torch.long)
 
@@ -111,7 +111,7 @@ def convert_bundles(bundles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Te
     if dtype == torch.int8:
         q, scales, channels = quantize_bundles(bundles)
         return huge_copy(q), scales, channels
-    return huge_empty(bundles.shape, dtype).copy_(bundles), None, None
+    return huge_copy(bundles, dtype), None, None
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

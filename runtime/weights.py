@@ -27,7 +27,7 @@ from sparseforge.errors import SparseforgeError
 from sparseforge.files import open_safetensors, remedy
 from sparseforge.predictors.model import both_halves
 from sparseforge.runtime import kernels
-from sparseforge.runtime.pages import huge_copy, huge_empty
+from sparseforge.runtime.pages import huge_copy
 from sparseforge.runtime.units import MLPUnit, ResidentUnit, convert_bundles, make_bundles, quantize_rows
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
@@ -78,8 +78,7 @@ def convert(w: torch.Tensor, weight_dtype: str) -> tuple[torch.Tensor, torch.Ten
     if weight_dtype == "int8":
         q, scales = quantize_rows(w)  # per-row symmetric int8 over the last dimension, any leading shape
         return huge_copy(q), scales
-    out = huge_empty(w.shape, WEIGHT_DTYPES[weight_dtype]) if w.device.type == "cpu" else torch.empty_like(w, dtype=WEIGHT_DTYPES[weight_dtype])
-    return out.copy_(w), None
+    return huge_copy(w, WEIGHT_DTYPES[weight_dtype]), None
 
 
 def resident_unit(layer: int, expert: int, reader: WeightReader) -> MLPUnit:

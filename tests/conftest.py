@@ -8,7 +8,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import TEXT, tiny_model, tiny_tokenizer  # noqa: E402
+from tiny import TEXT, tied_halves_checkpoint, tiny_model, tiny_tokenizer, word_documents  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +46,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tied_pairs_ckpt(tmp_path_factory):
+    """(a tiny checkpoint of tied halves with a profile and pair predictors trained through the CLI to recall 0.8, so
+    that their mask changes the output; its HF model; the CLI's data arguments). Shared: tests copy it before changing it."""
+    from sparseforge.cli import main
+
+    root = tmp_path_factory.mktemp("pairs")
+    text = word_documents(root / "text.jsonl.gz", 300, numbered=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model = tied_halves_checkpoint(root / "ckpt")
+    data = ["--data", str(text), "--seq-len", "32", "--no-progress"]
+    assert main(["profile", str(root / "ckpt"), "--tokens", "256", "--coact-tokens", "64", "--block-size", "16", *data]) == 0
+    assert main(["predictors", "train", str(root / "ckpt"), "--tokens", "1024", "--heldout-tokens", "256", "--budget", "0.5", "--target-recall", "0.8",
+                 "--recall-margin", "0", "--max-epochs", "3", "--pilot-rank", "16", "--pilot-epochs", "1", "--min-rank", "8", *data]) == 0  # fmt: skip
+    torch.set_num_threads(before)
+    return root / "ckpt", model, data

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny import decode_path, random_windows, tiny_model, tiny_tokenizer, word_documents
+from tiny import decode_path, random_windows, tied_halves_checkpoint, tiny_model, tiny_tokenizer
 
 from sparseforge.checkpoint import save_sparse
 from sparseforge.cli import main
@@ -24,32 +24,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 NATIVE = kernels.native() is not None
 
 
-def _tied(path, threshold: float = 0.01):
-    """A tiny llama of tied halves (I = 256: pairs j and 128 + j), thresholded so that a pair's product can zero both."""
-    model = convert_model(tiny_model("llama"), "drelu", halves=True)
-    if threshold:
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.mlp.activation.threshold = threshold
-        model.config.sparsity["thresholds"] = [threshold] * len(model.model.layers)
-    save_sparse(model, tiny_tokenizer(), path)
-    return model
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """(checkpoint with pair predictors trained through the CLI to recall 0.8, so that their mask changes the output; its
-    HF model; the CLI's data arguments)."""
-    root = tmp_path_factory.mktemp("pairs")
-    text = word_documents(root / "text.jsonl.gz", 300, numbered=True)
-    model = _tied(root / "ckpt")
-    data = ["--data", str(text), "--seq-len", "32", "--no-progress"]
-    assert main(["profile", str(root / "ckpt"), "--tokens", "256", "--coact-tokens", "64", "--block-size", "16", *data]) == 0
-    assert main(["predictors", "train", str(root / "ckpt"), "--tokens", "1024", "--heldout-tokens", "256", "--budget", "0.5", "--target-recall", "0.8",
-                 "--recall-margin", "0", "--max-epochs", "3", "--pilot-rank", "16", "--pilot-epochs", "1", "--min-rank", "8", *data]) == 0  # fmt: skip
-    return root / "ckpt", model, data
-
-
 def test_pairs_are_collected_as_the_union_of_their_halves():
     model = convert_model(tiny_model("llama"), "drelu", halves=True)
     windows = random_windows(8, 32)
@@ -62,8 +36,8 @@ def test_pairs_are_collected_as_the_union_of_their_halves():
             assert 0 < p.float().mean() < 1
 
 
-def test_trained_pair_predictors_score_pairs_and_mask_both_halves(trained, tmp_path, capsys):
-    ckpt, _, data = trained
+def test_trained_pair_predictors_score_pairs_and_mask_both_halves(tied_pairs_ckpt, tmp_path, capsys):
+    ckpt, _, data = tied_pairs_ckpt
     ckpt = Path(shutil.copytree(ckpt, tmp_path / "ckpt"))  # eval and calibrate rewrite predictors.json
     report = json.loads((ckpt / "predictors.json").read_text())
     assert report["pairs"] is True and report["intermediate_size"] == 256
@@ -82,14 +56,14 @@ def test_trained_pair_predictors_score_pairs_and_mask_both_halves(trained, tmp_p
     capsys.readouterr()
 
 
-def test_powerinfer_gets_a_pairs_row_for_both_halves_and_per_neuron_trains_halves(tmp_path, trained, capsys):
-    _, _, data = trained
+def test_powerinfer_gets_a_pairs_row_for_both_halves_and_per_neuron_trains_halves(tmp_path, tied_pairs_ckpt, capsys):
+    _, _, data = tied_pairs_ckpt
     plain = tmp_path / "plain"
     save_sparse(convert_model(tiny_model("llama"), "drelu"), tiny_tokenizer(), plain)
     assert main(["predictors", "train", str(plain), "--per", "pair", "--tokens", "256", *data]) == 2
     assert "--per pair needs a checkpoint of tied neuron halves" in capsys.readouterr().err
     halves = tmp_path / "halves"
-    _tied(halves, threshold=0.0)  # PowerInfer computes plain dReLU: no thresholds
+    tied_halves_checkpoint(halves, threshold=0.0)  # PowerInfer computes plain dReLU: no thresholds
     fit = ["--tokens", "512", "--heldout-tokens", "256", "--budget", "0.5", "--max-epochs", "1", "--pilot-rank", "16", "--min-rank", "8", *data]
     assert main(["profile", str(halves), "--tokens", "256", "--coact-tokens", "64", "--block-size", "16", *data]) == 0
     assert main(["predictors", "train", str(halves), *fit]) == 0
@@ -109,10 +83,10 @@ def _decode(engine, ids):
 
 
 @pytest.mark.parametrize("weight_dtype", ["float32", "int8"])
-def test_the_runtime_computes_predicted_pairs_a_pair_at_a_time_as_hf_under_the_mask(trained, weight_dtype):
+def test_the_runtime_computes_predicted_pairs_a_pair_at_a_time_as_hf_under_the_mask(tied_pairs_ckpt, weight_dtype):
     """Decode in the one-call step, layer by layer and with the halves untied (each half alone), and prefill several
     rows: the same logits (float32: HF's under the pair mask), the tied paths reading fewer bytes."""
-    ckpt, model, _ = trained
+    ckpt, model, _ = tied_pairs_ckpt
     ids = torch.tensor(random_windows(1, 10, seed=4))
     with torch.no_grad(), masked_mlps(model, "predicted", load_predictors(ckpt)):
         ref = model(ids).logits
@@ -143,10 +117,10 @@ def test_the_runtime_computes_predicted_pairs_a_pair_at_a_time_as_hf_under_the_m
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernels did not build")
-def test_the_fused_predictor_and_mlp_call_takes_both_halves_of_each_predicted_pair(trained):
+def test_the_fused_predictor_and_mlp_call_takes_both_halves_of_each_predicted_pair(tied_pairs_ckpt):
     """sf_predict_mlp (a hybrid engine's CPU part) with a pair predictor: the sum over both halves of the pairs the
     predictor gives, bit for bit the predictor's pairs expanded and then the sparse kernel over those neurons."""
-    ckpt, _, _ = trained
+    ckpt, _, _ = tied_pairs_ckpt
     engine = Engine.load(ckpt, mode="sparse", context=32, progress=False)
     unit, p, act = engine.model.weights.layers[0].units[0], engine.model.predictors[(0, 0)], engine.model.activations[0]
     I = unit.intermediate
@@ -165,14 +139,14 @@ def test_the_fused_predictor_and_mlp_call_takes_both_halves_of_each_predicted_pa
 
 @pytest.mark.skipif(not NATIVE, reason="native kernels did not build")
 @pytest.mark.parametrize("mode,dtype", [("sparse", "float32"), ("oracle", "float32"), ("screen", "float32"), ("sparse", "int8"), ("oracle", "int8")])
-def test_a_hybrid_cpu_part_computes_its_whole_cold_pairs_a_pair_at_a_time(trained, mode, dtype, monkeypatch):
+def test_a_hybrid_cpu_part_computes_its_whole_cold_pairs_a_pair_at_a_time(tied_pairs_ckpt, mode, dtype, monkeypatch):
     """A hybrid engine's CPU part whose cold pairs are tied halves (runtime/hybrid.py ColdBundles.pairs) computes each
     pair with both halves chosen from one gate and one up row (the fused predictor call's pairs, sf_sparse_mlp's second
     halves' slots for the screen's and the oracle's neurons, tied_mlp_torch for several rows): the logits of the CPU
     part computing every half alone, decode and prefill, the same neurons, fewer rows read."""
     from sparseforge.runtime import hybrid
 
-    ckpt, ids = trained[0], torch.tensor(random_windows(1, 12, seed=6))
+    ckpt, ids = tied_pairs_ckpt[0], torch.tensor(random_windows(1, 12, seed=6))
     runs, tied_calls, real = {}, [], kernels.tied_mlp_torch
     monkeypatch.setattr(kernels, "tied_mlp_torch", lambda *a, **k: tied_calls.append(1) or real(*a, **k))
     for layout in ("pairs", "neurons"):
@@ -195,7 +169,7 @@ def test_a_hybrid_cpu_part_computes_its_whole_cold_pairs_a_pair_at_a_time(traine
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
-def test_pairs_are_placed_whole_and_a_cold_pair_is_one_record(trained, tmp_path, dtype):
+def test_pairs_are_placed_whole_and_a_cold_pair_is_one_record(tied_pairs_ckpt, tmp_path, dtype):
     """With pair predictors a plan holds whole pairs, ranked by the halves' summed counts; the bundle file holds one
     record per pair (gate, up, both down columns), from which either half's bundle is exactly the resident one, so the
     neuron store reads a cold pair as one record and computes a pair from one gate and one up row, and its decode is
@@ -208,9 +182,9 @@ def test_pairs_are_placed_whole_and_a_cold_pair_is_one_record(trained, tmp_path,
     from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader, resident_unit
 
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(trained[0], ckpt)
+    shutil.copytree(tied_pairs_ckpt[0], ckpt)
     counts = load_profile(ckpt)[0]["counts"].to(torch.int64)
-    I, half, H = counts.shape[-1], counts.shape[-1] // 2, trained[1].config.hidden_size
+    I, half, H = counts.shape[-1], counts.shape[-1] // 2, tied_pairs_ckpt[1].config.hidden_size
     pair_counts = counts[..., :half] + counts[..., half:]
     plan = make_plan(ckpt, PlanRequest(parse_size("30%"), context=32, dtype=dtype))
     assert plan["ranked_by"] == "pair frequency" and plan["mlp"]["hot_neurons"] % 2 == 0
@@ -255,14 +229,14 @@ def test_pairs_are_placed_whole_and_a_cold_pair_is_one_record(trained, tmp_path,
     assert excluded["profile"]["firings_per_token"] == plan["profile"]["firings_per_token"]  # ranks marked, not the profile
 
 
-def test_a_unit_whose_halves_are_not_tied_keeps_neuron_records(trained, tmp_path):
+def test_a_unit_whose_halves_are_not_tied_keeps_neuron_records(tied_pairs_ckpt, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from sparseforge.runtime.bundles import BundleFile, build_bundles
     from sparseforge.runtime.store import tiered_units
 
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(trained[0], ckpt)
+    shutil.copytree(tied_pairs_ckpt[0], ckpt)
     tensors = load_file(ckpt / "model.safetensors")
     up = tensors["model.layers.1.mlp.up_proj.weight"]
     up[up.shape[0] // 2 + 3, 0] += 1e-3  # layer 1's pair 3 is no longer tied

@@ -6,7 +6,6 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from test_pair_predictors import trained  # noqa: F401 (the fixture: tied halves with pair predictors and a profile)
 from tiny import random_windows, tiny_model, tiny_tokenizer
 
 from sparseforge.checkpoint import save_sparse
@@ -25,8 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 NATIVE = [True, False] if kernels.native() is not None else [False]
 
 
-def test_the_device_plan_holds_whole_tied_pairs_at_two_rows_a_half(trained):  # noqa: F811
-    ckpt, model, _ = trained
+def test_the_device_plan_holds_whole_tied_pairs_at_two_rows_a_half(tied_pairs_ckpt):
+    ckpt, model, _ = tied_pairs_ckpt
     H, I = model.config.hidden_size, model.config.intermediate_size
     reserve = device_plan(ckpt, "0%", "float32", 32)["budget_bytes"]
     budget = str(reserve + 10 * 2 * 3 * H * 4)  # ten pairs as bundles of three rows a half
@@ -46,8 +45,8 @@ def _logits(engine, ids, split=4):
 
 
 @pytest.mark.parametrize("mode", ["dense", "oracle", "screen", "sparse"])
-def test_a_hybrid_device_computes_its_hot_pairs_from_one_gate_and_one_up_row(trained, mode):  # noqa: F811
-    ckpt, model, _ = trained
+def test_a_hybrid_device_computes_its_hot_pairs_from_one_gate_and_one_up_row(tied_pairs_ckpt, mode):
+    ckpt, model, _ = tied_pairs_ckpt
     H, I = model.config.hidden_size, model.config.intermediate_size
     hot = {}
     for row in device_plan(ckpt, "40%", "float32", 32)["layers"]:
@@ -83,10 +82,10 @@ def test_a_config_that_says_tied_over_rows_that_are_not_is_refused(tmp_path):
         Engine.load(tmp_path / "ckpt", mode="oracle", context=32, progress=False, device="cpu", device_memory="50%")
 
 
-def test_with_the_disk_tier_the_store_serves_the_pairs_the_device_does_not_hold(trained):  # noqa: F811
+def test_with_the_disk_tier_the_store_serves_the_pairs_the_device_does_not_hold(tied_pairs_ckpt):
     """--device with --fast-memory on tied halves: the device's whole pairs, the store's cold ones, the logits of the
     HF model (oracle)."""
-    ckpt, model, _ = trained
+    ckpt, model, _ = tied_pairs_ckpt
     ids = torch.tensor(random_windows(1, 10, seed=7))
     with torch.no_grad():
         ref = model(ids).logits

@@ -47,7 +47,8 @@ def test_small_tensors_and_the_switch_keep_ordinary_memory(monkeypatch):
     monkeypatch.setenv(pages.ENV, "0")
     assert not pages.enabled()
     t = torch.randn(1024, 1024)
-    assert pages.huge_copy(t) is t  # contiguous already: nothing to copy
+    copy = pages.huge_copy(t.T, torch.float16)  # a fresh contiguous tensor, converted
+    assert copy.is_contiguous() and copy.dtype == torch.float16 and torch.equal(copy, t.T.half())
 
 
 def test_huge_page_memory_is_writable_and_outlives_its_mapping_object(monkeypatch):

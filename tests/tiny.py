@@ -140,6 +140,22 @@ def profiled_checkpoint(root, family: str):
     return ckpt, model, tensors
 
 
+def tied_halves_checkpoint(path: Path, threshold: float = 0.01):
+    """A tiny llama of tied halves (I = 256: pairs j and 128 + j) saved at `path`, thresholded so that a pair's product
+    can zero both halves; returns the HF model."""
+    from sparseforge.checkpoint import save_sparse
+    from sparseforge.sparsify.convert import convert_model
+
+    model = convert_model(tiny_model("llama"), "drelu", halves=True)
+    if threshold:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.activation.threshold = threshold
+        model.config.sparsity["thresholds"] = [threshold] * len(model.model.layers)
+    save_sparse(model, tiny_tokenizer(), path)
+    return model
+
+
 def kernels_built_with(tmp_path: Path, flags: list[str]) -> ctypes.CDLL:
     """The native kernels compiled as the engine compiles them plus `flags` (e.g. -mno-avx2: the scalar paths), every
     entry point typed as runtime/kernels.py types it; the test is skipped without a C compiler."""
