@@ -7,7 +7,7 @@ text, after the largest variant's training and held-out tokens. A row: training 
 neurons predicted active at that recall (held-out and fresh), the fresh recall and the perplexity against the exact
 mask; then `predictors calibrate` finds the variant's knee. Rows already in the results file for the same checkpoint
 and settings are kept (a sweep resumes, and a later run with other token counts or budgets adds its rows to the
-table); each row keeps the command that made it.
+table), unless the checkpoint's weights files changed since; each row keeps the command that made it.
 
     python benchmarks/predictor_tokens.py --ckpt runs/quickstart/checkpoint --tokens 65536,196608 --budgets 0.1,0.2 --out predictor-tokens-quickstart
 
@@ -64,6 +64,12 @@ def run_variant(ckpt: Path, view: Path, tokens: int, budget: float, args, skip: 
             "ppl_increase": result["predicted_vs_oracle_ppl"], "exact_perplexity": result["oracle"]["perplexity"]}  # fmt: skip
 
 
+def weights_stamp(ckpt: Path) -> dict[str, list[int]]:
+    """(size, modification time in ns) of each weights file of the checkpoint: rows of a results file whose stamp
+    differs were measured on other weights at the same path, and are trained again."""
+    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(ckpt.glob("*.safetensors")) if f.name.startswith("model")}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True, help="a sparse checkpoint (its own predictors, if any, are left as they are)")
@@ -90,7 +96,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--skip-tokens {skip} would evaluate on training or held-out text; give at least {max(tokens) + args.heldout_tokens}")
     settings = {"checkpoint": str(ckpt.resolve()), "target_recall": args.target_recall, "heldout_tokens": args.heldout_tokens,
                 "eval_tokens": args.eval_tokens, "skip_tokens": skip, "max_epochs": args.max_epochs, "seq_len": args.seq_len,
-                "data": args.data, "threads": args.threads}  # fmt: skip
+                "data": args.data, "threads": args.threads, "weights": weights_stamp(ckpt)}  # fmt: skip
     path = Path(f"{results_path(args.out)}.json")
     old = json.loads(path.read_text()) if path.is_file() and not args.fresh else {}
     done = {(r["tokens"], r["budget"]): r for r in old.get("rows", [])} if old.get("settings") == settings else {}

@@ -2,6 +2,7 @@
 checkpoint is untouched, and a second run keeps the rows it already has."""
 
 import json
+import os
 
 from scripts import load_script
 from tiny import tiny_model, tiny_tokenizer, word_documents
@@ -41,3 +42,9 @@ def test_predictor_tokens(tmp_path, one_thread, monkeypatch):
     more = json.loads((results / "pt.json").read_text())
     assert [(r["tokens"], r["budget"]) for r in more["rows"]] == [(512, 0.25), (512, 0.5), (1024, 0.5)] and more["rows"][1:] == rows
     assert more["rows"][0]["exact_perplexity"] == rows[0]["exact_perplexity"] and more["command"].count("predictor_tokens.py") == 2
+
+    weights = ckpt / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # other weights at the same path
+    assert script.main([*argv[:2], "--tokens", "512", *argv[4:]]) == 0
+    again = json.loads((results / "pt.json").read_text())
+    assert [(r["tokens"], r["budget"]) for r in again["rows"]] == [(512, 0.5)]  # trained again; the old rows are dropped
