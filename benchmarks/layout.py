@@ -14,9 +14,9 @@ with the bundles laid out in:
   rate the memory gives a call of this size, which no gathering kernel beats.
 
 Every layout reads the same rows with the same inputs (the benchmark checks that each computes identity's MLP before
-timing), so their GB/s ratios (÷ identity) are their time ratios; the streamed row reads every listed row in full. Layouts alternate within each repetition; the figure is the median repetition. The contiguous
-bound holds a copy of the listed rows per token, so --tokens sets its memory (about 50 MB a token at float32 for
-SmolLM2-135M).
+timing), so their GB/s ratios (÷ identity) are their time ratios; the streamed row reads every listed row in full.
+Layouts alternate within each repetition; the figure is the median repetition. The contiguous bound holds a copy of
+the listed rows per token, so --tokens sets its memory (about 50 MB a token at float32 for SmolLM2-135M).
 
     python benchmarks/layout.py --ckpt runs/quickstart/checkpoint --config recipes/smollm2-135m-quickstart.yaml \
         --dtypes float32 float16 int8 --threads 1 --out layout-quickstart-t1
@@ -218,6 +218,8 @@ def main(argv=None) -> int:
     model, tokenizer, _ = load_model(str(ckpt), dtype="float32")
     if hasattr(model.model.layers[0].mlp, "experts"):
         p.error(f"--ckpt {ckpt} is a mixture of experts; this benchmark times dense MLPs")
+    if args.tokens > r.seq_len:
+        p.error(f"--tokens {args.tokens} is more than a window of the recipe ({r.seq_len} tokens); give at most {r.seq_len}")
     val = validation_windows(r.sources, tokenizer, r.seq_len, r.val_every, 4 * args.tokens, r.data_root, r.token_cache)
     windows = [torch.as_tensor(w)[0, : 4 * args.tokens].tolist() for w in val.values()]
     xs, masks = firing_inputs(model.eval(), windows, args.tokens)

@@ -60,7 +60,7 @@ def test_a_layout_that_computes_another_mlp_is_refused(workspace, tmp_path, one_
         bench.main(["--ckpt", str(ckpt), "--config", str(tmp_path / "r.yaml"), "--tokens", "4", "--reps", "1", "--out", str(tmp_path / "l")])
 
 
-def test_bad_input_is_refused(tmp_path, workspace, capsys):
+def test_bad_input_is_refused(tmp_path, workspace, tied_pairs_ckpt, capsys):
     bench = load_script("layout")
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(tiny_recipe(workspace, tmp_path / "unused")))
     with pytest.raises(SystemExit):
@@ -69,3 +69,6 @@ def test_bad_input_is_refused(tmp_path, workspace, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--ckpt", str(workspace / "dense"), "--config", str(tmp_path / "r.yaml"), "--tokens", "0"])
     assert "--tokens 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--ckpt", str(tied_pairs_ckpt[0]), "--config", str(tmp_path / "r.yaml"), "--tokens", "33"])
+    assert "--tokens 33 is more than a window of the recipe (32 tokens)" in capsys.readouterr().err
