@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_CKPT = Path(__file__).resolve().parents[1] / "runs" / "smollm2-135m-drelu-train" / "checkpoint"
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+DEFAULT_CKPT = REPO / "runs" / "smollm2-135m-drelu-train" / "checkpoint"
 
 
 def measure_bandwidth(threads: int, mib: int = 1024, reps: int = 7) -> dict:
@@ -172,17 +173,20 @@ def results_path(out: str) -> Path:
     return Path(out) if "/" in out else RESULTS / out
 
 
-def _portable(value):
-    """value with every string under the data folder written as $SPARSEFORGE_DATA/...: results hold no machine's paths."""
+def portable(value):
+    """value with every string under the data folder written as $SPARSEFORGE_DATA/... and every one under the
+    repository as a path relative to it: results hold no machine's paths."""
     from sparseforge.data import DATA_ENV, data_root
 
-    root = str(data_root().resolve())
+    root, repo = str(data_root().resolve()), str(REPO)
     if isinstance(value, dict):
-        return {k: _portable(v) for k, v in value.items()}
+        return {k: portable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_portable(v) for v in value]
+        return [portable(v) for v in value]
     if isinstance(value, str) and value.startswith(root + os.sep):
         return f"${DATA_ENV}/" + value[len(root) + 1 :]
+    if isinstance(value, str) and value.startswith(repo + os.sep):
+        return value[len(repo) + 1 :]
     return value
 
 
@@ -192,7 +196,7 @@ def write_results(out: str, data: dict, table: str) -> tuple[Path, Path]:
 
     base = results_path(out)
     base.parent.mkdir(parents=True, exist_ok=True)
-    data = {**_portable(data), "loadavg_end": os.getloadavg()}
+    data = {**portable(data), "loadavg_end": os.getloadavg()}
     js, md = base.parent / f"{base.name}.json", base.parent / f"{base.name}.md"
     atomic_write_text(js, json.dumps(data, indent=1) + "\n")
     env = data["environment"]

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT_HELP, checkpoint_view, environment, markdown_table, results_path, write_results  # noqa: E402
+from common import OUT_HELP, checkpoint_view, environment, markdown_table, portable, results_path, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = [("tokens", "training tokens", ","), ("budget", "budget", "g"), ("train_min", "train min", ".1f"),
@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     settings = {"checkpoint": str(ckpt.resolve()), "target_recall": args.target_recall, "heldout_tokens": args.heldout_tokens,
                 "eval_tokens": args.eval_tokens, "skip_tokens": skip, "max_epochs": args.max_epochs, "seq_len": args.seq_len,
                 "data": args.data, "threads": args.threads, "weights": weights_stamp(ckpt)}  # fmt: skip
+    settings = portable(settings)  # as the results file holds them
     path = Path(f"{results_path(args.out)}.json")
     old = json.loads(path.read_text()) if path.is_file() and not args.fresh else {}
     done = {(r["tokens"], r["budget"]): r for r in old.get("rows", [])} if old.get("settings") == settings else {}

@@ -32,6 +32,15 @@ def test_results_write_paths_under_the_data_folder_portably(tmp_path, monkeypatc
     assert kept["other"] == str(tmp_path / "datax")  # a sibling folder whose name starts the same is not under it
 
 
+def test_results_write_paths_in_the_repository_relative_to_it(tmp_path):
+    common = load_script("common")
+    ckpt = str(common.REPO / "runs" / "quickstart" / "checkpoint")
+    data = {"command": "x", "environment": common.environment(1), "settings": {"checkpoint": ckpt}, "sibling": str(common.REPO) + "x/y"}
+    js, _ = common.write_results(str(tmp_path / "out"), data, "| t |")
+    kept = json.loads(js.read_text())
+    assert kept["settings"] == {"checkpoint": "runs/quickstart/checkpoint"} and kept["sibling"] == str(common.REPO) + "x/y"
+
+
 def test_ratios_give_each_row_the_sparse_speedup_and_its_multiple_of_the_reference():
     ratios = load_script("common").ratios
     rows = [{"precision": "fp32", "mode": m, "full_head": True, "decode_tps": tps, "decode_all": [tps, tps * 1.1]}
