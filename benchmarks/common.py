@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
-DEFAULT_CKPT = REPO / "runs" / "smollm2-135m-drelu-train" / "checkpoint"
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+RESULTS = ROOT / "benchmarks" / "results"
+DEFAULT_CKPT = ROOT / "runs" / "smollm2-135m-drelu-train" / "checkpoint"
 
 
 def measure_bandwidth(threads: int, mib: int = 1024, reps: int = 7) -> dict:
@@ -42,9 +42,6 @@ def measure_bandwidth(threads: int, mib: int = 1024, reps: int = 7) -> dict:
     return {"threads": threads, "bytes": n, "read_gbs": n / statistics.median(reads) / 1e9, "copy_gbs": 2 * n / statistics.median(copies) / 1e9}
 
 
-PARTS = "eval-parts"  # sparseforge.eval.report PARTS_DIR: scored (row, task) parts, keyed by what they depend on
-
-
 def checkpoint_view(ckpt: Path, view: Path) -> Path:
     """view/: a checkpoint a benchmark may rewrite (thresholds, predictors, eval.json) while `ckpt` stays as it is:
     its JSON files copied, every other file and folder a symlink (only read; writers replace files atomically, so a
@@ -53,6 +50,7 @@ def checkpoint_view(ckpt: Path, view: Path) -> Path:
     import shutil
 
     from sparseforge.errors import SparseforgeError
+    from sparseforge.eval.report import PARTS_DIR as PARTS
 
     if view.resolve() == ckpt.resolve():
         raise SparseforgeError(f"the view {view} is the checkpoint itself; name another folder, e.g. {ckpt.parent / (ckpt.name + '-view')}")
@@ -178,16 +176,19 @@ def portable(value):
     repository as a path relative to it: results hold no machine's paths."""
     from sparseforge.data import DATA_ENV, data_root
 
-    root, repo = str(data_root().resolve()), str(REPO)
-    if isinstance(value, dict):
-        return {k: portable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [portable(v) for v in value]
-    if isinstance(value, str) and value.startswith(root + os.sep):
-        return f"${DATA_ENV}/" + value[len(root) + 1 :]
-    if isinstance(value, str) and value.startswith(repo + os.sep):
-        return value[len(repo) + 1 :]
-    return value
+    prefixes = ((str(data_root().resolve()) + os.sep, f"${DATA_ENV}/"), (str(ROOT) + os.sep, ""))
+
+    def walk(v):
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [walk(x) for x in v]
+        for prefix, name in prefixes if isinstance(v, str) else ():
+            if v.startswith(prefix):
+                return name + v[len(prefix) :]
+        return v
+
+    return walk(value)
 
 
 def write_results(out: str, data: dict, table: str) -> tuple[Path, Path]:

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import OUT_HELP, markdown_table, median, setup, write_results  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
+DTYPES = ("float32", "float16", "int8")  # engine weight dtypes (runtime/weights.py WEIGHT_DTYPES) the kernel is timed in
 STREAMED = "streamed (sf_matvec)"
 BLOCK = 32  # neurons per block for the "blocks touched" column (the profile's default block size)
 
@@ -52,11 +52,17 @@ def unit_orders(counts: torch.Tensor, order: torch.Tensor, pairs: bool) -> dict[
     return {"identity": torch.arange(counts.numel()), "frequency": torch.argsort(counts, descending=True, stable=True), "coactivation": order}
 
 
+def unit_rows(units: torch.Tensor, width: int, pairs: bool) -> torch.Tensor:
+    """The bundle rows of `units` of a [width, 3, H] unit: the neurons themselves, or for tied pairs their first
+    halves, then their second halves (width / 2 later)."""
+    return torch.cat([units, units + width // 2]) if pairs else units
+
+
 def permuted(bundles: torch.Tensor, scales: torch.Tensor | None, perm: torch.Tensor, pairs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Bundles [I, 3, H] (and int8 row scales [I, 3]) in the order `perm` of units; tied pairs keep halves I/2 apart."""
     from sparseforge.runtime.pages import huge_copy
 
-    rows = torch.cat([perm, perm + bundles.shape[0] // 2]) if pairs else perm
+    rows = unit_rows(perm, bundles.shape[0], pairs)
     return huge_copy(bundles.index_select(0, rows)), None if scales is None else scales.index_select(0, rows).contiguous()
 
 
@@ -65,7 +71,7 @@ def side_by_side(bundles: torch.Tensor, scales: torch.Tensor | None, fired: list
     then their second halves), the copies back to back in one tensor on huge pages, like the engine's weights."""
     from sparseforge.runtime.pages import huge_copy
 
-    rows = [torch.cat([f, f + bundles.shape[0] // 2]) if pairs else f for f in fired]
+    rows = [unit_rows(f, bundles.shape[0], pairs) for f in fired]
     arena = huge_copy(bundles.index_select(0, torch.cat(rows)))
     arena_scales = None if scales is None else scales.index_select(0, torch.cat(rows))
     out, start = [], 0
@@ -155,13 +161,13 @@ def measure(ckpt: Path, dtype: str, acts: list, xs: list[torch.Tensor], masks: l
     """Rows of time_layouts for one weight dtype; acts: the layers' GatedActivation modules."""
     from sparseforge.predictors.profile import load_profile
     from sparseforge.runtime.units import convert_bundles, make_bundles, tied_bundles
-    from sparseforge.runtime.weights import WeightReader
+    from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader
 
     profile, _ = load_profile(ckpt)
     reader = WeightReader(ckpt, dtype)
     layers, calls, listed = [], {"identity": [], "frequency": [], "coactivation": [], "contiguous": [], STREAMED: []}, {}
     for i, act in enumerate(acts):
-        b, s, channels = convert_bundles(make_bundles(*reader.mlp(i, 0)), DTYPES[dtype])
+        b, s, channels = convert_bundles(make_bundles(*reader.mlp(i, 0)), WEIGHT_DTYPES[dtype])
         pairs = tied_bundles(b, s)
         units = b.shape[0] // 2 if pairs else b.shape[0]
         layers.append({"channels": channels, "act": act, "pairs": pairs, "units": units,
@@ -200,7 +206,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True, help="a sparse checkpoint with a profile (sparseforge profile)")
     add_recipe_options(p)
-    p.add_argument("--dtypes", nargs="+", default=["float32"], choices=list(DTYPES), help="weight dtypes (default: float32)")
+    p.add_argument("--dtypes", nargs="+", default=["float32"], choices=DTYPES, help="weight dtypes (default: float32)")
     p.add_argument("--threads", type=int, default=1, help="kernel threads (default: 1)")
     p.add_argument("--tokens", type=int, default=16, help="held-out tokens per source whose firing lists are timed (default: 16)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per layout (default: 7)")

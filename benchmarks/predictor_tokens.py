@@ -7,7 +7,7 @@ text, after the largest variant's training and held-out tokens. A row: training 
 neurons predicted active at that recall (held-out and fresh), the fresh recall and the perplexity against the exact
 mask; then `predictors calibrate` finds the variant's knee. Rows already in the results file for the same checkpoint
 and settings are kept (a sweep resumes, and a later run with other token counts or budgets adds its rows to the
-table), unless the checkpoint's weights files changed since; each row keeps the command that made it.
+table), unless the checkpoint's weights changed since (sparseforge.files.file_digest); each row keeps the command that made it.
 
     python benchmarks/predictor_tokens.py --ckpt runs/quickstart/checkpoint --tokens 65536,196608 --budgets 0.1,0.2 --out predictor-tokens-quickstart
 
@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT_HELP, checkpoint_view, environment, markdown_table, portable, results_path, write_results  # noqa: E402
+from common import checkpoint_view, environment, markdown_table, OUT_HELP, portable, results_path, ROOT, write_results  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = [("tokens", "training tokens", ","), ("budget", "budget", "g"), ("train_min", "train min", ".1f"),
            ("params_fraction", "predictor params / MLP", ".1%"), ("heldout_predicted", "predicted active (held-out)", ".1%"),
            ("recall", "recall (fresh)", ".4f"), ("predicted", "predicted active (fresh)", ".1%"), ("true", "firing (fresh)", ".1%"),
@@ -64,13 +63,9 @@ def run_variant(ckpt: Path, view: Path, tokens: int, budget: float, args, skip: 
             "ppl_increase": result["predicted_vs_oracle_ppl"], "exact_perplexity": result["oracle"]["perplexity"]}  # fmt: skip
 
 
-def weights_stamp(ckpt: Path) -> dict[str, list[int]]:
-    """(size, modification time in ns) of each weights file of the checkpoint: rows of a results file whose stamp
-    differs were measured on other weights at the same path, and are trained again."""
-    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(ckpt.glob("*.safetensors")) if f.name.startswith("model")}
-
-
 def main(argv=None) -> int:
+    from sparseforge.files import file_digest
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True, help="a sparse checkpoint (its own predictors, if any, are left as they are)")
     p.add_argument("--tokens", default="65536", help="training token counts, comma-separated (e.g. 65536,196608)")
@@ -96,7 +91,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--skip-tokens {skip} would evaluate on training or held-out text; give at least {max(tokens) + args.heldout_tokens}")
     settings = {"checkpoint": str(ckpt.resolve()), "target_recall": args.target_recall, "heldout_tokens": args.heldout_tokens,
                 "eval_tokens": args.eval_tokens, "skip_tokens": skip, "max_epochs": args.max_epochs, "seq_len": args.seq_len,
-                "data": args.data, "threads": args.threads, "weights": weights_stamp(ckpt)}  # fmt: skip
+                "data": args.data, "threads": args.threads, "weights": {f.name: file_digest(f) for f in sorted(ckpt.glob("model*.safetensors"))}}  # fmt: skip
     settings = portable(settings)  # as the results file holds them
     path = Path(f"{results_path(args.out)}.json")
     old = json.loads(path.read_text()) if path.is_file() and not args.fresh else {}

@@ -18,9 +18,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT_HELP, checkpoint_view, environment, markdown_table, results_path, write_results  # noqa: E402
+from common import checkpoint_view, environment, markdown_table, OUT_HELP, results_path, ROOT, write_results  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def mean_accuracy(report: dict, config: str) -> dict:

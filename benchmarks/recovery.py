@@ -34,9 +34,8 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, environment  # noqa: E402
+from common import environment, RESULTS, ROOT  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 MAIN_METRIC = {"lambada_openai": "acc", "piqa": "acc", "arc_easy": "acc", "arc_challenge": "acc", "hellaswag": "acc",
                "winogrande": "acc", "boolq": "acc", "mmlu": "acc", "wikitext": "word_perplexity"}
 

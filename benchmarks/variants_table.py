@@ -25,9 +25,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT_HELP, environment, markdown_table, write_results  # noqa: E402
+from common import environment, markdown_table, OUT_HELP, ROOT, write_results  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 
 from sparseforge.errors import SparseforgeError  # noqa: E402
 from sparseforge.pipeline import Record  # noqa: E402

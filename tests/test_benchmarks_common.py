@@ -34,11 +34,11 @@ def test_results_write_paths_under_the_data_folder_portably(tmp_path, monkeypatc
 
 def test_results_write_paths_in_the_repository_relative_to_it(tmp_path):
     common = load_script("common")
-    ckpt = str(common.REPO / "runs" / "quickstart" / "checkpoint")
-    data = {"command": "x", "environment": common.environment(1), "settings": {"checkpoint": ckpt}, "sibling": str(common.REPO) + "x/y"}
+    ckpt = str(common.ROOT / "runs" / "quickstart" / "checkpoint")
+    data = {"command": "x", "environment": common.environment(1), "settings": {"checkpoint": ckpt}, "sibling": str(common.ROOT) + "x/y"}
     js, _ = common.write_results(str(tmp_path / "out"), data, "| t |")
     kept = json.loads(js.read_text())
-    assert kept["settings"] == {"checkpoint": "runs/quickstart/checkpoint"} and kept["sibling"] == str(common.REPO) + "x/y"
+    assert kept["settings"] == {"checkpoint": "runs/quickstart/checkpoint"} and kept["sibling"] == str(common.ROOT) + "x/y"
 
 
 def test_ratios_give_each_row_the_sparse_speedup_and_its_multiple_of_the_reference():

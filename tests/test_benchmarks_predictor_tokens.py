@@ -4,6 +4,7 @@ checkpoint is untouched, and a second run keeps the rows it already has."""
 import json
 import os
 
+from safetensors.torch import load_file, save_file
 from scripts import load_script
 from tiny import tiny_model, tiny_tokenizer, word_documents
 
@@ -44,7 +45,13 @@ def test_predictor_tokens(tmp_path, one_thread, monkeypatch):
     assert more["rows"][0]["exact_perplexity"] == rows[0]["exact_perplexity"] and more["command"].count("predictor_tokens.py") == 2
 
     weights = ckpt / "model.safetensors"
-    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # other weights at the same path
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # touched, the same bytes: kept
+    monkeypatch.setattr(script, "run_variant", lambda *a: (_ for _ in ()).throw(AssertionError("a finished variant ran again")))
+    assert script.main(argv) == 0
+    monkeypatch.undo()
+    tensors = load_file(weights)
+    tensors = {k: v + 0.01 if k.endswith("up_proj.weight") else v for k, v in tensors.items()}
+    save_file(tensors, weights, metadata={"format": "pt"})  # other weights at the same path
     assert script.main([*argv[:2], "--tokens", "512", *argv[4:]]) == 0
     again = json.loads((results / "pt.json").read_text())
     assert [(r["tokens"], r["budget"]) for r in again["rows"]] == [(512, 0.5)]  # trained again; the old rows are dropped
