@@ -148,8 +148,8 @@ class LeanStep:
                 L.fc1, L.s1, L.fc2t, L.s2, L.p_dtype, L.rank = ptr(w1), ptr(s1), ptr(w2), ptr(s2), code(w1.dtype), w1.shape[0]
                 L.p_threshold, L.p_scratch = float(p.threshold), ptr(scratch)
             L.ids, L.bundles, L.b_scales, L.channels, L.b_dtype = ptr(ids), ptr(unit.bundles), ptr(unit.scales), ptr(unit.channels), code(unit.bundles.dtype)
-            # tied halves a pair at a time: every pair (oracle) or the predicted ones
-            L.inter, L.b_tied, L.p_pairs = inter, int(unit.tied and screen is None and (p is None or p.pairs)), int(p is not None and p.pairs)
+            # tied halves a pair at a time: every pair (oracle), the predicted ones or the screened ones
+            L.inter, L.b_tied, L.p_pairs = inter, int(unit.tied and (screen.tied if screen is not None else p is None or p.pairs)), int(p is not None and p.pairs)
             self.slots += inter
             self.row_bytes = row_bytes(unit)
         self.stats = (ctypes.c_int64 * 3)()  # per step: neurons the sparse kernel computed, neurons the dense activation fired, up rows screened

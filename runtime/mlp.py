@@ -95,6 +95,10 @@ class SparseMLP:
             neurons = p.neurons(neurons, I)
         elif mode == "screen":
             neurons = self._screen_row(layer, expert, xn)
+            if self.model.screens[(layer, expert)].tied:  # the pairs the gate screen keeps
+                if unit.tied:
+                    return self._tied_row(unit, neurons, xn, act, y, scale)
+                neurons = torch.cat([neurons, neurons + I // 2])
         elif unit.tied:  # every pair of a resident unit of tied halves
             return self._tied_row(unit, self._all_neurons(I // 2), xn, act, y, scale)
         neurons = self._computed(unit, neurons)

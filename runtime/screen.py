@@ -24,8 +24,10 @@ neurons the gate screen keeps, and the sparse kernel's rows of the neurons both 
 int8 weights are already what it would read (the oracle mode reads every int8 gate row once).
 
 Tied halves (train/tied.py: neuron I/2 + i has neuron i's gate row and minus its up row, exactly, in the engine's
-weight dtype; found at load) are screened a pair at a time: one gate row and one up row bound both halves, since a
-float evaluation of (-u) . x is minus that of u . x, so a step reads half the screen rows for the same ids.
+weight dtype; found at load) are screened a pair at a time by their one gate row: the screen lists the pairs whose
+gate bound it cannot prove zero, and the sparse kernel computes each listed pair from its one gate and one up row,
+which tells which half, if either, fires. A tied screen holds no up rows: the up row that picks the half is read
+once, in the engine's precision, by the kernel that needs it anyway (docs/runtime.md, "Modes").
 """
 
 from dataclasses import dataclass, field
@@ -65,14 +67,14 @@ class UnitScreen:
     gate: ScreenRows
     up: ScreenRows | None
     activation: GatedActivation
-    tied: bool = False  # tied halves: the rows are the first half's, each bounding neurons i and rows + i
-    ids: torch.Tensor = field(init=False)  # int64 [I]: the native screen's kept ids
+    tied: bool = False  # tied halves: the gate rows are the first half's, each bounding pair i (neurons i and rows + i); no up rows
+    ids: torch.Tensor = field(init=False)  # int64 [I]: the native screen's kept ids (pairs, for tied halves)
     up_rows: torch.Tensor = field(init=False)  # int64 [1]: up rows the native screen read (added to)
     scratch: torch.Tensor = field(init=False)  # float64: the native screen's gate bounds [rows], then its flags (rows bytes)
 
     def __post_init__(self):
-        if self.tied and (self.up is None or self.activation.kind != "drelu"):
-            raise SparseforgeError("a tied screen bounds dReLU halves through their up rows; screen this unit untied")
+        if self.tied and (self.up is not None or self.activation.kind != "drelu"):
+            raise SparseforgeError("a tied screen bounds the pairs of dReLU halves by their gate rows alone; screen this unit untied")
         self.ids = torch.empty(self.intermediate, dtype=torch.long)
         self.up_rows = torch.zeros(1, dtype=torch.long)
         self.scratch = torch.empty(self.rows + -(-self.rows // 8), dtype=torch.float64)
@@ -131,16 +133,16 @@ def screen_rows(w: torch.Tensor) -> ScreenRows:
 
 def unit_screen(gate: torch.Tensor, up: torch.Tensor, activation: GatedActivation, tied: bool = False) -> UnitScreen:
     """gate, up: [I, H] in the engine's float weight dtype -> the unit's screen (up rows for dReLU only: the others'
-    up can be negative on a firing neuron). tied: the rows are tied halves (sparsify.convert.tied_pairs; checked), screened by pair."""
+    up can be negative on a firing neuron). tied: the rows are tied halves (sparsify.convert.tied_pairs; checked),
+    screened by pair through the first half's gate rows alone."""
     if activation.kind not in SCREENED:
         raise SparseforgeError(f"the screen proves neurons zero from their gate's sign; a {activation.kind} MLP has none to "
                                f"prove ({', '.join(SCREENED)} do): use mode='oracle' or 'sparse'")
     if tied:
         if not tied_pairs(gate, up):
             raise SparseforgeError("tied screen: the gate and up rows are not tied halves; screen this unit untied")
-        half = gate.shape[0] // 2
-        gate, up = gate[:half], up[:half]
-    return UnitScreen(screen_rows(gate), screen_rows(up) if activation.kind == "drelu" else None, activation, tied)
+        return UnitScreen(screen_rows(gate[: gate.shape[0] // 2]), None, activation, tied=True)
+    return UnitScreen(screen_rows(gate), screen_rows(up) if activation.kind == "drelu" else None, activation)
 
 
 def load_screens(reader, model) -> dict[tuple[int, int], UnitScreen]:
@@ -167,8 +169,8 @@ def screens_nbytes(screens: dict | None) -> int:
 
 
 def screen_native(screen: UnitScreen, x: torch.Tensor, threads: int) -> tuple[torch.Tensor, int]:
-    """x: [H] float32, contiguous -> (ascending ids of the neurons the screen keeps (a view of screen.ids), bytes the
-    screen read)."""
+    """x: [H] float32, contiguous -> (ascending ids of the neurons the screen keeps, or for tied halves of the pairs
+    (a view of screen.ids), bytes the screen read)."""
     act = screen.activation
     before = int(screen.up_rows[0])
     n = kernels.native().sf_mlp_screen(*screen.tables(), screen.intermediate, x.shape[0], x.data_ptr(),
@@ -191,12 +193,12 @@ def screen_torch(screen: UnitScreen, x: torch.Tensor) -> tuple[torch.Tensor, int
     xl2 = x.double().norm(dim=1) * (1 + 1e-9)
     act = screen.activation
     g = sum(_bounds(screen.gate, x, xl2))
-    gate_keep = ~(g <= (act.threshold if act.kind in ("shifted_relu", "fatrelu") else 0.0))  # NaN keeps the neuron
-    up_rows = int(gate_keep.sum())
-    keep = gate_keep
-    if screen.up is not None:
-        approx, slack = _bounds(screen.up, x, xl2)
-        keep = torch.cat([_up_keeps(gate_keep, g, u, act) for u in ([approx + slack, slack - approx] if screen.tied else [approx + slack])], dim=1)
+    keep = ~(g <= (act.threshold if act.kind in ("shifted_relu", "fatrelu") else 0.0))  # NaN keeps the neuron
+    up_rows = int(keep.sum()) if screen.up is not None else 0
+    if screen.tied:  # both halves of each kept pair
+        keep = torch.cat([keep, keep], dim=1)
+    elif screen.up is not None:
+        keep = _up_keeps(keep, g, sum(_bounds(screen.up, x, xl2)), act)
     return keep, (x.shape[0] * screen.rows + up_rows) * screen.row_bytes
 
 

@@ -22,8 +22,9 @@
  *                  rows and down columns were read (so the engine counts the bytes it touched).
  *                  Over tied halves (neuron I/2 + i: neuron i's gate row, minus its up row) it takes the pairs: one
  *                  gate and one up row give both halves, so every neuron is computed from half those rows.
- *   sf_mlp_screen  ids of the neurons an int8 copy of the gate (and up) rows cannot prove zero, with a rigorous bound
- *                  on each row's error (runtime/screen.py): sf_sparse_mlp over them equals it over every neuron
+ *   sf_mlp_screen  ids of the neurons (of tied halves: the pairs) an int8 copy of the gate (and up) rows cannot prove
+ *                  zero, with a rigorous bound on each row's error (runtime/screen.py): sf_sparse_mlp over them equals
+ *                  it over every neuron
  *   sf_predict_mlp sf_predict, then sf_sparse_mlp over the predicted neurons' slots, in one call (a hybrid
  *                  engine's CPU part: its units' neurons have fixed slots)
  *   sf_gated_act   the dense mode's activation of one row (gate and up from one stacked matvec)
@@ -933,9 +934,10 @@ int64_t sf_predict_mlp(const void *fc1, const float *s1, const void *fc2t, const
  * (float rounding is monotone, so fl(g u) <= t too). The sparse kernel would compute such a neuron as zero. ids (int64 [inter]) receives the other neurons, ascending;
  * returns their count; *up_rows += the up rows screened (those of the neurons the gate did not prove zero). scratch:
  * rows doubles and rows bytes of working space (the gate bounds, the keep flags), so a step allocates nothing.
- * tied (dReLU with up tables): the unit's neurons are tied halves (train/tied.py), neuron rows + i with the gate row of
- * neuron i and minus its up row, rows = inter / 2; the tables hold the first rows only, and one dot of up row i bounds
- * both halves: (-u) . x <= -s d (Q . q) + r |x|_2 + n |x - d q|_2 (the float evaluation of (-u) . x is minus that of u . x). */
+ * tied (dReLU): the unit's neurons are tied halves (train/tied.py), neuron rows + i with the gate row of neuron i and
+ * minus its up row, rows = inter / 2; the gate tables hold the first rows only, the up tables are not read, and ids
+ * receives the pairs whose shared gate row the screen cannot prove <= 0 (ascending, < rows): the sparse kernel then
+ * computes each from its one gate and one up row (sf_sparse_mlp's tied), which tells which half, if either, fires. */
 /* gate_kills for every float gate value g <= hi (compared in double: no rounding of hi) */
 static SF_INLINE int bound_kills(int act, double hi, float t) {
     switch (act) {
@@ -945,26 +947,24 @@ static SF_INLINE int bound_kills(int act, double hi, float t) {
     }
 }
 
-/* the upper bound of a screened row's float dot product from its exact integer dot o (the comment above), or with
- * negate of minus that row's (a tied half's up row: the float evaluation of (-u) . x is minus that of u . x) */
-static SF_INLINE double row_bound(double o, float s, float r, float nrm, double d, double xl2, double dl2, int negate) {
-    double a = (negate ? -(double)s : (double)s) * d * o, b = (double)r * xl2 + (double)nrm * dl2;
+/* the upper bound of a screened row's float dot product from its exact integer dot o (the comment above) */
+static SF_INLINE double row_bound(double o, float s, float r, float nrm, double d, double xl2, double dl2) {
+    double a = (double)s * d * o, b = (double)r * xl2 + (double)nrm * dl2;
     return a + b + 1e-9 * (fabs(a) + b);  /* the double products' rounding, generously */
 }
 
-/* keep flags of the up pass for one gate survivor: its up bound hi (and for tied halves, the bound lo of minus the
- * up row) against 0, and with a product threshold t > 0 the product with the gate bound g (> 0 here), rounded up */
-static SF_INLINE char up_keep(double g, double hi, double lo, int product, int tied, float t) {
-    char k = !(hi <= 0.0 || (product && g * hi * (1.0 + 1e-9) <= (double)t));
-    if (tied) k |= (char)(!(lo <= 0.0 || (product && g * lo * (1.0 + 1e-9) <= (double)t)) << 1);
-    return k;
+/* the keep flag of the up pass for one gate survivor: its up bound hi against 0, and with a product threshold t > 0
+ * the product with the gate bound g (> 0 here), rounded up */
+static SF_INLINE char up_keep(double g, double hi, int product, float t) {
+    return (char)!(hi <= 0.0 || (product && g * hi * (1.0 + 1e-9) <= (double)t));
 }
 
 int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const float *gn, const int8_t *uq, const float *us, const float *ur,
                       const float *un, int64_t inter, int64_t hidden, const float *x, int act, float t, int64_t *ids, int64_t *up_rows,
                       double *scratch, int tied, int nthreads) {
     if (inter <= 0) return 0;
-    tied = tied && uq != NULL && act == ACT_DRELU;
+    tied = tied && act == ACT_DRELU;
+    if (tied) uq = NULL;
     const int64_t rows = tied ? inter / 2 : inter;
     const int product = uq != NULL && act == ACT_DRELU && t > 0.0f;
     int16_t xq[hidden];
@@ -979,7 +979,7 @@ int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const 
     }
     const double xl2 = sqrt(ss) * (1.0 + 1e-9), dl2 = sqrt(ds) * (1.0 + 1e-9);
     double *ghi = scratch;                 /* [rows]: the gate bound of each gate survivor */
-    char *keep = (char *)(scratch + rows); /* [rows]: bit 0 the neuron (g, u), bit 1 its tied half (g, -u) */
+    char *keep = (char *)(scratch + rows); /* [rows]: the neuron (or tied pair) is kept */
     int64_t screened = 0;
     /* one region per unit: each thread screens a fixed run of gate rows, then the up rows of its own survivors
      * (listed in its run of ids, which it owns until the region ends), so no thread waits between the passes.
@@ -993,7 +993,7 @@ int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const 
         const int64_t a = rows * me / team, b = rows * (me + 1) / team;
         int64_t *mine = ids + a, n = 0;
         for (int64_t i = a; i < b; i++) {
-            const double hi = row_bound((double)dot_i8i16(gq + i * hidden, &xs, hidden, NULL), gs[i], gr[i], gn[i], d, xl2, dl2, 0);
+            const double hi = row_bound((double)dot_i8i16(gq + i * hidden, &xs, hidden, NULL), gs[i], gr[i], gn[i], d, xl2, dl2);
             keep[i] = (char)!bound_kills(act, hi, t);  /* NaN keeps the neuron */
             ghi[i] = hi, mine[n] = i, n += keep[i];  /* branch-free: about half the rows survive, unpredictably */
         }
@@ -1001,16 +1001,14 @@ int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const 
         for (int64_t k = 0; k < n; k++) {  /* the survivors' up rows, each prefetched SF_AHEAD rows ahead */
             const int64_t i = mine[k];
             const char *next = k + SF_AHEAD < n ? (const char *)(uq + mine[k + SF_AHEAD] * hidden) : NULL;
-            const double o = (double)dot_i8i16(uq + i * hidden, &xs, hidden, next), hi = row_bound(o, us[i], ur[i], un[i], d, xl2, dl2, 0);
-            keep[i] = up_keep(ghi[i], hi, tied ? row_bound(o, us[i], ur[i], un[i], d, xl2, dl2, 1) : 0.0, product, tied, t);
+            const double hi = row_bound((double)dot_i8i16(uq + i * hidden, &xs, hidden, next), us[i], ur[i], un[i], d, xl2, dl2);
+            keep[i] = up_keep(ghi[i], hi, product, t);
         }
         screened += n;
     }
     *up_rows += screened;
     int64_t m = 0;
-    for (int64_t i = 0; i < rows; i++) ids[m] = i, m += keep[i] & 1;  /* branch-free, as the survivors above */
-    if (tied)
-        for (int64_t i = 0; i < rows; i++) ids[m] = rows + i, m += (keep[i] >> 1) & 1;
+    for (int64_t i = 0; i < rows; i++) ids[m] = i, m += keep[i];  /* branch-free, as the survivors above */
     return m;
 }
 
@@ -1238,7 +1236,7 @@ typedef struct {
     const int8_t *su_q;
     const float *su_s, *su_r, *su_n;
     double *sg_scratch; /* the screen's gate bounds and flags (UnitScreen.scratch) */
-    int64_t sg_tied;    /* the screen's tables are of tied halves (sf_mlp_screen) */
+    int64_t sg_tied;    /* the screen's tables are of tied halves: it lists pairs (sf_mlp_screen) */
     int64_t b_tied;     /* tied halves at slot = neuron, computed a pair at a time: every pair (ids 0..), or the predicted pairs */
     int64_t p_pairs;    /* the predictor scores pairs of tied halves (inter / 2 outputs; pair j: neurons j and inter / 2 + j) */
 } sf_layer;
@@ -1281,10 +1279,11 @@ int sf_decode_layers(const sf_layer *layers, int64_t n_layers, float *x, float *
             } else if (L->sg_q) {
                 n = sf_mlp_screen(L->sg_q, L->sg_s, L->sg_r, L->sg_n, L->su_q, L->su_s, L->su_r, L->su_n, L->inter, hidden, xn, (int)L->act,
                                   L->act_threshold, L->ids, stats + 2, L->sg_scratch, (int)L->sg_tied, nthreads);
+                if (L->sg_tied && !L->b_tied) n = pair_neurons(L->ids, n, L->inter / 2);  /* halves not tied in memory: each one */
                 t2 = seconds_now();
             }
-            /* tied: the predicted pairs (n of them), or every pair (ids 0 .. inter/2 - 1) */
-            const int64_t count = L->b_tied && !L->fc1 ? n / 2 : n, offset = L->b_tied ? L->inter / 2 : 0;
+            /* tied: the predicted or screened pairs (n of them), or every pair (ids 0 .. inter/2 - 1) */
+            const int64_t count = L->b_tied && !L->fc1 && !L->sg_q ? n / 2 : n, offset = L->b_tied ? L->inter / 2 : 0;
             if (sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, count, offset, NULL, xn, (int)L->act,
                               L->act_threshold, 1.0f, x, counts, nthreads))
                 return -1;
