@@ -227,16 +227,12 @@ def test_screen_over_disk_backed_units_equals_the_resident_screen(tmp_path):
 
 
 def test_a_tied_screen_over_disk_backed_units_equals_the_resident_one(tied_pairs_ckpt):
-    """The screen's pairs become both halves' neurons for units that are not resident tied halves (a neuron store's
-    slots), and those give the resident pair kernel's tokens and the HF model's logits."""
-    ckpt, model, _ = tied_pairs_ckpt
-    ids = _ids(n=1, t=10, seed=4)
+    """Its pairs, as both halves' neurons for a neuron store's units, give the resident pair kernel's tokens and the HF logits."""
+    (ckpt, model, _), ids = tied_pairs_ckpt, _ids(n=1, t=10, seed=4)
     with torch.no_grad():
         ref = model(ids).logits
-    resident = Engine.load(ckpt, mode="screen", context=32, progress=False)
-    assert all(s.tied and s.up is None for s in resident.model.screens.values())
-    assert all(lw.units[0].tied for lw in resident.model.weights.layers)
-    prompt, config = ids[0, :6].tolist(), GenerationConfig(max_new_tokens=8)
+    resident, prompt, config = Engine.load(ckpt, mode="screen", context=32, progress=False), ids[0, :6].tolist(), GenerationConfig(max_new_tokens=8)
+    assert all(s.tied and s.up is None for s in resident.model.screens.values()) and all(lw.units[0].tied for lw in resident.model.weights.layers)
     want = list(resident.generate(prompt, config))
     with tiered_units(ckpt, "30%", "float32", context=32, min_cold_slots=16, progress=False) as store:
         disk = Engine.load(ckpt, mode="screen", context=32, units=store, progress=False)
