@@ -20,6 +20,7 @@ import os
 import platform
 import shutil
 import subprocess
+import time
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -77,6 +78,7 @@ def _cpu_id() -> str:
     return platform.processor() or platform.machine()
 
 
+KEEP_DAYS = 30  # a build not loaded for this long is removed when another one is compiled
 FLAGS_ENV = "SPARSEFORGE_KERNEL_FLAGS"  # extra compiler flags, e.g. "-DSF_MLP_AHEAD=4" (benchmarks/kernel_builds.py)
 
 
@@ -99,17 +101,45 @@ def _compile(out: Path) -> None:
         raise OSError(f"{compiler} failed: {done.stderr.strip()[:500]}")
 
 
+def library_path() -> Path:
+    """The cache file of the build for this source, these flags and this CPU."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(build_flags()).encode() + _cpu_id().encode()).hexdigest()[:16]
+    return cache_dir() / f"sparse_kernels-{key}.so"
+
+
+def _touch(path: Path) -> None:
+    """Mark a build as loaded now, so _prune keeps it (a read-only cache is left as it is)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def _prune(keep: Path) -> None:
+    """Remove the cache's other builds not loaded for KEEP_DAYS days (each load touches its build): the builds of
+    older sources, of flags tried once, of CPUs no longer used."""
+    cutoff = time.time() - KEEP_DAYS * 86400
+    for old in keep.parent.glob("sparse_kernels-*.so"):
+        try:
+            if old != keep and old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:  # removed by another process, or not ours to remove
+            pass
+
+
 @lru_cache(maxsize=1)
 def native() -> ctypes.CDLL | None:
     """The compiled kernel library, building it on first use; None (with a warning) when that fails or
     when SPARSEFORGE_NATIVE=0."""
     if os.environ.get("SPARSEFORGE_NATIVE", "1") == "0":
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(build_flags()).encode() + _cpu_id().encode()).hexdigest()[:16]
-    path = cache_dir() / f"sparse_kernels-{key}.so"
+    path = library_path()
     try:
-        if not path.is_file():
+        if path.is_file():
+            _touch(path)
+        else:
             _compile(path)
+            _prune(path)
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         warnings.warn(f"sparseforge native kernels unavailable ({e}); using PyTorch ops", stacklevel=2)

@@ -132,10 +132,10 @@ def test_build_is_cached_by_source_hash(tmp_path, monkeypatch):
         assert lib is not None and lib.sf_has_avx2() in (0, 1)
         built = list(tmp_path.glob("sparse_kernels-*.so"))
         assert len(built) == 1
-        mtime = built[0].stat().st_mtime_ns
+        inode = built[0].stat().st_ino  # a rebuild would replace the file (written aside, then renamed)
         kernels.native.cache_clear()
         kernels.native()
-        assert built[0].stat().st_mtime_ns == mtime
+        assert built[0].stat().st_ino == inode and list(tmp_path.glob("sparse_kernels-*.so")) == built
     finally:
         monkeypatch.delenv("SPARSEFORGE_KERNEL_CACHE")
         kernels.native.cache_clear()
@@ -199,3 +199,22 @@ def test_the_sparse_kernel_over_tied_pairs_is_it_over_both_halves_bit_for_bit(dt
             kernels.sparse_mlp_native(bundles, scales, channels, torch.cat([some, some + pairs]), x, act, y_all, 0.7, c_all, 2)
             assert torch.equal(y_tied, y_all)
             assert c_tied[0] == some.numel() and 2 * c_tied[1] == c_all[1] and c_tied[2] == c_all[2] > 0
+
+
+def test_a_load_touches_its_build_and_a_new_build_removes_builds_unloaded_for_30_days(tmp_path, monkeypatch):
+    import os
+    import shutil
+    import time
+
+    monkeypatch.setenv("SPARSEFORGE_KERNEL_CACHE", str(tmp_path))
+    day, now = 86400, time.time()
+    path = kernels.library_path()
+    shutil.copy(kernels.native()._name, path)  # this source's build, last loaded 40 days ago
+    stale, recent, other = tmp_path / "sparse_kernels-0000000000000000.so", tmp_path / "sparse_kernels-1111111111111111.so", tmp_path / "notes.txt"
+    for f, age in ((path, 40), (stale, 31), (recent, 29), (other, 90)):
+        f.touch()
+        os.utime(f, (now - age * day, now - age * day))
+    assert kernels.native.__wrapped__() is not None  # loads the cached build: touched, nothing removed
+    assert path.stat().st_mtime > now - 60 and stale.is_file() and recent.is_file()
+    kernels._prune(path)  # what compiling a new build ends with
+    assert not stale.exists() and recent.is_file() and other.is_file() and path.is_file()
