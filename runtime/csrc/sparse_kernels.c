@@ -1237,7 +1237,7 @@ typedef struct {
     const float *su_s, *su_r, *su_n;
     double *sg_scratch; /* the screen's gate bounds and flags (UnitScreen.scratch) */
     int64_t sg_tied;    /* the screen's tables are of tied halves: it lists pairs (sf_mlp_screen) */
-    int64_t b_tied;     /* tied halves at slot = neuron, computed a pair at a time: every pair (ids 0..), or the predicted pairs */
+    int64_t b_tied;     /* tied halves at slot = neuron, computed a pair at a time: every pair (ids 0..), or the predicted or screened pairs */
     int64_t p_pairs;    /* the predictor scores pairs of tied halves (inter / 2 outputs; pair j: neurons j and inter / 2 + j) */
 } sf_layer;
 
