@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import checkpoint_view, environment, markdown_table, OUT_HELP, results_path, ROOT, write_results  # noqa: E402
 
 
-
 def mean_accuracy(report: dict, config: str) -> dict:
     """{task: its first mean metric, "mean": their mean} of one configuration of an eval report."""
     firsts = {}

@@ -27,7 +27,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, markdown_table, OUT_HELP, ROOT, write_results  # noqa: E402
 
-
 from sparseforge.errors import SparseforgeError  # noqa: E402
 from sparseforge.pipeline import Record  # noqa: E402
 from sparseforge.train.metrics import read_metrics  # noqa: E402

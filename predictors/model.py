@@ -41,6 +41,11 @@ def both_halves(pairs: torch.Tensor) -> torch.Tensor:
     return torch.cat([pairs, pairs], dim=-1)
 
 
+def pair_neurons(pairs: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """Ascending ids of pairs of tied halves (< I/2) -> the ascending ids of both halves of each (j and I/2 + j)."""
+    return torch.cat([pairs, pairs + intermediate // 2])
+
+
 def predictor_params(hidden: int, width: int, rank: int) -> int:
     """Parameters of one predictor: rank * (H + I)."""
     return rank * (hidden + width)

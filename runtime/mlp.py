@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from sparseforge.predictors.model import either_half
+from sparseforge.predictors.model import either_half, pair_neurons
 from sparseforge.runtime import kernels
 from sparseforge.runtime.forward import route
 from sparseforge.runtime.meter import Meter
@@ -98,7 +98,7 @@ class SparseMLP:
             if self.model.screens[(layer, expert)].tied:  # the pairs the gate screen keeps
                 if unit.tied:
                     return self._tied_row(unit, neurons, xn, act, y, scale)
-                neurons = torch.cat([neurons, neurons + I // 2])
+                neurons = pair_neurons(neurons, I)
         elif unit.tied:  # every pair of a resident unit of tied halves
             return self._tied_row(unit, self._all_neurons(I // 2), xn, act, y, scale)
         neurons = self._computed(unit, neurons)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparseforge.errors import SparseforgeError
+from sparseforge.predictors.model import both_halves
 from sparseforge.runtime import kernels
 from sparseforge.sparsify.convert import tied_pairs
 from sparseforge.sparsify.hf_code.modeling_sparseforge import GatedActivation
@@ -195,8 +196,8 @@ def screen_torch(screen: UnitScreen, x: torch.Tensor) -> tuple[torch.Tensor, int
     g = sum(_bounds(screen.gate, x, xl2))
     keep = ~(g <= (act.threshold if act.kind in ("shifted_relu", "fatrelu") else 0.0))  # NaN keeps the neuron
     up_rows = int(keep.sum()) if screen.up is not None else 0
-    if screen.tied:  # both halves of each kept pair
-        keep = torch.cat([keep, keep], dim=1)
+    if screen.tied:
+        keep = both_halves(keep)
     elif screen.up is not None:
         keep = _up_keeps(keep, g, sum(_bounds(screen.up, x, xl2)), act)
     return keep, (x.shape[0] * screen.rows + up_rows) * screen.row_bytes

@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from sparseforge.errors import SparseforgeError
 from sparseforge.files import open_safetensors, remedy
-from sparseforge.predictors.model import both_halves
+from sparseforge.predictors.model import both_halves, pair_neurons
 from sparseforge.runtime import kernels
 from sparseforge.runtime.pages import huge_copy
 from sparseforge.runtime.units import MLPUnit, ResidentUnit, convert_bundles, make_bundles, quantize_rows
@@ -222,7 +222,7 @@ class UnitPredictor:
 
     def neurons(self, ids: torch.Tensor, intermediate: int) -> torch.Tensor:
         """The predicted neurons (ascending) of the ids the predictor gave: pairs' ids -> both halves of each."""
-        return torch.cat([ids, ids + intermediate // 2]) if self.pairs else ids
+        return pair_neurons(ids, intermediate) if self.pairs else ids
 
     def mask(self, keep: torch.Tensor) -> torch.Tensor:
         """A predicted mask [N, I or I/2] -> [N, I]: both halves of each predicted pair."""
