@@ -216,7 +216,7 @@ def mlp_bytes(model) -> int:
             gate_up, down = lw.dense[0]
             total += gate_up.nbytes + down.nbytes
         else:
-            total += 3 * lw.units[0].bundles.shape[0] * row_bytes(lw.units[0])
+            total += 3 * lw.units[0].intermediate * row_bytes(lw.units[0])
     return total * model.top_k
 
 

@@ -52,33 +52,25 @@ def unit_orders(counts: torch.Tensor, order: torch.Tensor, pairs: bool) -> dict[
     return {"identity": torch.arange(counts.numel()), "frequency": torch.argsort(counts, descending=True, stable=True), "coactivation": order}
 
 
-def unit_rows(units: torch.Tensor, width: int, pairs: bool) -> torch.Tensor:
-    """The bundle rows of `units` of a [width, 3, H] unit: the neurons themselves, or for tied pairs their first
-    halves, then their second halves (width / 2 later)."""
-    return torch.cat([units, units + width // 2]) if pairs else units
-
-
-def permuted(bundles: torch.Tensor, scales: torch.Tensor | None, perm: torch.Tensor, pairs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Bundles [I, 3, H] (and int8 row scales [I, 3]) in the order `perm` of units; tied pairs keep halves I/2 apart."""
+def permuted(bundles: torch.Tensor, scales: torch.Tensor | None, perm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Bundles [I, 3, H] or pair records [I/2, 4, H] (and int8 row scales) in the order `perm` of units."""
     from sparseforge.runtime.pages import huge_copy
 
-    rows = unit_rows(perm, bundles.shape[0], pairs)
-    return huge_copy(bundles.index_select(0, rows)), None if scales is None else scales.index_select(0, rows).contiguous()
+    return huge_copy(bundles.index_select(0, perm)), None if scales is None else scales.index_select(0, perm).contiguous()
 
 
-def side_by_side(bundles: torch.Tensor, scales: torch.Tensor | None, fired: list[torch.Tensor], pairs: bool) -> list[tuple]:
-    """Per token, (bundles, scales, slots) of a copy of that token's listed units alone (tied: its pairs' first halves,
-    then their second halves), the copies back to back in one tensor on huge pages, like the engine's weights."""
+def side_by_side(bundles: torch.Tensor, scales: torch.Tensor | None, fired: list[torch.Tensor]) -> list[tuple]:
+    """Per token, (bundles, scales, slots) of a copy of that token's listed units alone, the copies back to back in one
+    tensor on huge pages, like the engine's weights."""
     from sparseforge.runtime.pages import huge_copy
 
-    rows = [unit_rows(f, bundles.shape[0], pairs) for f in fired]
-    arena = huge_copy(bundles.index_select(0, torch.cat(rows)))
-    arena_scales = None if scales is None else scales.index_select(0, torch.cat(rows))
+    arena = huge_copy(bundles.index_select(0, torch.cat(fired)))
+    arena_scales = None if scales is None else scales.index_select(0, torch.cat(fired))
     out, start = [], 0
-    for f, r in zip(fired, rows):
-        view = slice(start, start + len(r))
+    for f in fired:
+        view = slice(start, start + len(f))
         out.append((arena[view], None if scales is None else arena_scales[view], torch.arange(len(f))))
-        start += len(r)
+        start += len(f)
     return out
 
 
@@ -148,7 +140,7 @@ def time_layouts(layers: list[dict], xs: list[torch.Tensor], calls: dict[str, li
                     b, s, slots = per_layer[i][t]
                     if name == STREAMED:  # the same rows as one matrix: every row read once, in order
                         kernels.matvec_native(b.view(-1, b.shape[-1]), None if s is None else s.view(-1), None, xs[i][t : t + 1], threads)
-                        counts[0] += b.shape[0] * 3
+                        counts[0] += b.shape[0] * b.shape[1]
                     else:
                         kernels.sparse_mlp_native(b, s, lw["channels"], slots, xs[i][t], lw["act"], y, 1.0, counts, threads, tied=lw["pairs"])
             if rep:
@@ -160,7 +152,7 @@ def time_layouts(layers: list[dict], xs: list[torch.Tensor], calls: dict[str, li
 def measure(ckpt: Path, dtype: str, acts: list, xs: list[torch.Tensor], masks: list[torch.Tensor], threads: int, reps: int) -> list[dict]:
     """Rows of time_layouts for one weight dtype; acts: the layers' GatedActivation modules."""
     from sparseforge.predictors.profile import load_profile
-    from sparseforge.runtime.units import convert_bundles, make_bundles, tied_bundles
+    from sparseforge.runtime.units import convert_bundles, make_bundles, pair_records, tied_bundles
     from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader
 
     profile, _ = load_profile(ckpt)
@@ -169,17 +161,19 @@ def measure(ckpt: Path, dtype: str, acts: list, xs: list[torch.Tensor], masks: l
     for i, act in enumerate(acts):
         b, s, channels = convert_bundles(make_bundles(*reader.mlp(i, 0)), WEIGHT_DTYPES[dtype])
         pairs = tied_bundles(b, s)
-        units = b.shape[0] // 2 if pairs else b.shape[0]
+        if pairs:  # as the engine holds them (runtime/units.py ResidentUnit)
+            b, s = pair_records(b, s)
+        units = b.shape[0]
         layers.append({"channels": channels, "act": act, "pairs": pairs, "units": units,
                        "row_bytes": b.shape[-1] * b.element_size() + (4 if s is not None else 0)})  # fmt: skip
         fired = [torch.nonzero(m[:units] | m[units:] if pairs else m).flatten() for m in masks[i]]
         for name, perm in unit_orders(profile["counts"][i, 0], profile["order"][i, 0], pairs).items():
-            bp, sp = (b, s) if name == "identity" else permuted(b, s, perm, pairs)
+            bp, sp = (b, s) if name == "identity" else permuted(b, s, perm)
             inverse = torch.argsort(perm)
             slots = [inverse[f].sort().values for f in fired]
             calls[name].append([(bp, sp, sl) for sl in slots])
             listed.setdefault(name, []).append(slots)
-        calls["contiguous"].append(side_by_side(b, s, fired, pairs))
+        calls["contiguous"].append(side_by_side(b, s, fired))
         calls[STREAMED].append(calls["contiguous"][-1])
         for name in ("contiguous", STREAMED):
             listed.setdefault(name, []).append([torch.arange(len(f)) for f in fired])

@@ -44,7 +44,7 @@ from sparseforge.errors import SparseforgeError
 from sparseforge.files import damaged, read_json
 from sparseforge.runtime.plan import pair_predictors, placement_ranks
 from sparseforge.runtime.sizes import DTYPES, model_shape, neuron_bytes
-from sparseforge.runtime.units import convert_bundles, make_bundles, tied_bundles
+from sparseforge.runtime.units import convert_bundles, make_bundles, pair_records, tied_bundles
 from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader
 
 BUNDLES_FORMAT_VERSION = 3  # 2: int8 down columns with per-channel scales (the index's "channels" per unit); 3: pair records
@@ -97,9 +97,7 @@ def encode_records(bundles: torch.Tensor, dtype: str, pairs: bool = False) -> tu
     b, scales, channels = convert_bundles(bundles, WEIGHT_DTYPES[dtype])
     paired = pairs and tied_bundles(b, scales)
     if paired:
-        half = b.shape[0] // 2
-        b = torch.cat([b[:half], b[half:, 2:]], dim=1)
-        scales = None if scales is None else torch.cat([scales[:half], scales[half:, 2:]], dim=1)
+        b, scales = pair_records(b, scales)
     parts = [t.contiguous().view(torch.uint8).reshape(b.shape[0], -1) for t in (b, scales) if t is not None]
     return torch.cat(parts, dim=1), channels, paired
 

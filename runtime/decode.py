@@ -83,7 +83,7 @@ class SfLayer(ctypes.Structure):
         ("bundles", _p), ("b_scales", _p), ("channels", _p), ("b_dtype", _i), ("inter", _i), ("act", _i),
         ("p_threshold", ctypes.c_float), ("act_threshold", ctypes.c_float),
         ("sg_q", _p), ("sg_s", _p), ("sg_r", _p), ("sg_n", _p), ("su_q", _p), ("su_s", _p), ("su_r", _p), ("su_n", _p), ("sg_scratch", _p), ("sg_tied", _i),
-        ("b_tied", _i), ("p_pairs", _i),
+        ("b_tied", _i), ("b_halves", _i), ("p_pairs", _i),
     ]  # fmt: skip
 
 
@@ -148,8 +148,10 @@ class LeanStep:
                 L.fc1, L.s1, L.fc2t, L.s2, L.p_dtype, L.rank = ptr(w1), ptr(s1), ptr(w2), ptr(s2), code(w1.dtype), w1.shape[0]
                 L.p_threshold, L.p_scratch = float(p.threshold), ptr(scratch)
             L.ids, L.bundles, L.b_scales, L.channels, L.b_dtype = ptr(ids), ptr(unit.bundles), ptr(unit.scales), ptr(unit.channels), code(unit.bundles.dtype)
-            # tied halves a pair at a time: every pair (oracle), the predicted ones or the screened ones
+            # pair records of tied halves a pair at a time: every pair (oracle), the predicted ones or the screened ones;
+            # else listed by neuron (a neuron predictor's)
             L.inter, L.b_tied, L.p_pairs = inter, int(unit.tied and (screen.tied if screen is not None else p is None or p.pairs)), int(p is not None and p.pairs)
+            L.b_halves = int(unit.tied and not L.b_tied)
             self.slots += inter
             self.row_bytes = row_bytes(unit)
         self.stats = (ctypes.c_int64 * 3)()  # per step: neurons the sparse kernel computed, neurons the dense activation fired, up rows screened

@@ -35,6 +35,7 @@ SOURCE = Path(__file__).parent / "csrc" / "sparse_kernels.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 ACT_CODES = {kind: i for i, kind in enumerate(ACTIVATIONS)}  # same order as the C enum
+MLP_NEURONS, MLP_SLOT_PAIRS, MLP_PAIRS, MLP_PAIR_HALVES = range(4)  # sf_sparse_mlp's kinds (the C enum)
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -43,7 +44,7 @@ _int = ctypes.c_int
 _SIGNATURES = {
     "sf_matvec": (_int, [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p, _int]),
     "sf_predict": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _i64, _p, _f32, _p, _p, _int]),
-    "sf_sparse_mlp": (_int, [_p, _p, _p, _int, _i64, _p, _i64, _i64, _p, _p, _int, _f32, _f32, _p, _p, _int]),
+    "sf_sparse_mlp": (_int, [_p, _p, _p, _int, _i64, _p, _i64, _int, _i64, _p, _p, _int, _f32, _f32, _p, _p, _int]),
     "sf_predict_mlp": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _int, _p, _f32, _p, _p, _p, _p, _p, _p, _int, _i64, _p, _int, _f32, _f32, _p, _p, _int, _p, _int]),
     "sf_gated_act": (_i64, [_p, _i64, _int, _f32, _p]),
     "sf_mlp_screen": (_i64, [_p, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _p, _int, _f32, _p, _p, _p, _int, _int]),
@@ -238,15 +239,20 @@ def sparse_mlp_native(bundles: torch.Tensor, scales: torch.Tensor | None, channe
     contiguous); bundles [S, 3, H] (int8: with row scales [S, 3] and the down columns' channel scales [H]).
     counts (int64 [3]) += (gate rows read, up rows read, neurons fired = down columns read): a neuron whose gate
     already zeroes the activation reads neither of the last two.
-    tied: bundles [I, 3, H] are tied halves at slot = neuron (runtime/units.py tied_bundles) and `slots` are pairs
-    (ascending, < I/2): neurons slots and slots + I/2, from one gate and one up row per pair; over every pair, bit for
-    bit the call over all I neurons. second: the pairs' second halves' slots [n] (int64), for tied halves in any two
-    slots (`slots` then holds the first halves'); None: slots + I/2."""
+    Pair records [I/2, 4, H] of tied halves (runtime/units.py pair_records; int8 row scales [I/2, 4]): `slots` are
+    neurons (j < I/2: pair j's first half, I/2 + j its second), each computed alone from its pair's rows, or with
+    tied the pairs (ascending), both halves from one gate and one up row; over every pair, bit for bit the call over
+    all I neurons of the untied bundles. second: with bundles [S, 3, H] of tied halves in any two slots, `slots` holds
+    pairs' first halves and `second` [n] (int64) their second halves' slots."""
     slots = slots if slots.dtype == torch.long and slots.is_contiguous() else slots.long().contiguous()
+    records = bundles.shape[1] == 4
+    if tied and not records:
+        raise ValueError("sparse_mlp_native: tied pairs need pair records [I/2, 4, H] (runtime/units.py pair_records)")
+    kind = (MLP_PAIRS if tied else MLP_PAIR_HALVES) if records else MLP_SLOT_PAIRS if second is not None else MLP_NEURONS
     rc = native().sf_sparse_mlp(
         bundles.data_ptr(), ptr(scales), ptr(channels), DTYPE_CODES[bundles.dtype], bundles.shape[-1], slots.data_ptr(), slots.numel(),
-        (1 if second is not None else bundles.shape[0] // 2) if tied or second is not None else 0, ptr(second), x.data_ptr(),
-        ACT_CODES[activation.kind], activation.threshold, out_scale, y.data_ptr(), counts.data_ptr(), threads,
+        kind, bundles.shape[0], ptr(second), x.data_ptr(), ACT_CODES[activation.kind], activation.threshold, out_scale, y.data_ptr(),
+        counts.data_ptr(), threads,
     )  # fmt: skip
     if rc != 0:
         raise MemoryError(f"sf_sparse_mlp could not allocate its lists for {slots.numel()} {'pairs' if tied else 'neurons'}")
@@ -275,12 +281,15 @@ def predict_mlp_native(fc1: Weights, fc2t: Weights, p_threshold: float, resid: t
 
 def tied_mlp_torch(bundles: torch.Tensor, scales: torch.Tensor | None, channels: torch.Tensor | None, pairs: torch.Tensor, x: torch.Tensor,
                    activation: GatedActivation, keep: torch.Tensor | None = None, second: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """sparse_mlp_torch over tied halves (runtime/units.py tied_bundles): slots `pairs` [k] hold first halves and
-    `second` [k] their second halves (None: pairs + I/2, the halves at slot = neuron), each pair computed from one gate
-    and one up product: h = [act(g, u), act(g, -u)] ([N, 2k]), y = h @ [down_first; down_second]. keep: [N, 2k] or None."""
-    second = pairs + bundles.shape[0] // 2 if second is None else second
+    """sparse_mlp_torch over tied halves (runtime/units.py tied_bundles), each pair computed from one gate and one up
+    product: h = [act(g, u), act(g, -u)] ([N, 2k]), y = h @ [down_first; down_second]. `pairs` [k]: pair records
+    (bundles [I/2, 4, H], runtime/units.py pair_records), or with `second` [k] the first halves' slots of bundles
+    [S, 3, H] and their second halves'. keep: [N, 2k] or None."""
     xq, b = _gathered(bundles, scales, pairs, x)
-    d2 = dequantize(bundles[:, 2].index_select(0, second), None if scales is None else scales[:, 2].index_select(0, second))
+    if second is None:
+        d2 = b[:, 3]
+    else:
+        d2 = dequantize(bundles[:, 2].index_select(0, second), None if scales is None else scales[:, 2].index_select(0, second))
     g, u = xq @ b[:, 0].T, xq @ b[:, 1].T  # [N, k]
     return _down(torch.cat([activation(g, u), activation(g, -u)], dim=1), torch.cat([b[:, 2], d2]), keep, channels)
 

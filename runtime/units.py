@@ -18,8 +18,11 @@ The engine asks a unit for the neurons it is about to compute:
 (runtime/hybrid.py) sets it to the mask of the neurons the CPU computes (the others are on a device).
 
 `ResidentUnit` (everything in memory, slot = neuron) is the fully resident case; its `tied` says whether its neurons
-are tied halves (neuron I/2 + i: neuron i's gate row, minus its up row; train/tied.py), which several-row steps and
-one-row steps over every neuron compute a pair at a time (runtime/mlp.py). A tiered unit (hot
+are tied halves (neuron I/2 + i: neuron i's gate row, minus its up row; train/tied.py). Such a unit holds *pair
+records* instead of bundles, `bundles[p] = [gate_p; up_p; down_p; down_{I/2+p}]` ([I/2, 4, H], `pair_records`): each
+pair's gate and up rows once, two thirds of the halves' bundles' bytes. The kernels take a list of pairs over them
+(both halves from one gate and one up row: runtime/mlp.py) or of neurons, as its requests answer (each half alone,
+from its pair's rows). A tiered unit (hot
 neurons pinned, cold ones behind a cache over disk) implements the same interface. A request never asks
 for more than `capacity` neurons; callers with more (dense prefill under a small budget) split them into
 chunks (in `unit.order(neurons)`) and release each chunk before requesting the next.
@@ -30,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from sparseforge.runtime.pages import huge_copy
+from sparseforge.runtime.pages import huge_copy, huge_empty
 
 _EMPTY = torch.empty(0, dtype=torch.long)
 
@@ -63,12 +66,12 @@ class MLPUnit(Protocol):
     hidden: int
     intermediate: int
     capacity: int  # most neurons one request may hold at once
-    bundles: torch.Tensor  # [S, 3, H]
-    scales: torch.Tensor | None  # [S, 3] float32 per-row scales when bundles are int8, else None
+    bundles: torch.Tensor  # [S, 3, H], or pair records [I/2, 4, H] when `tied`
+    scales: torch.Tensor | None  # [S, 3] ([I/2, 4]) float32 per-row scales when bundles are int8, else None
     channels: torch.Tensor | None  # [H] float32 per-output-channel scales of the int8 down columns, else None
     local: torch.Tensor | None  # bool [I]: the neurons computed through this unit (a hybrid split: the CPU's); None: all
     fixed_slots: torch.Tensor | None  # int64 [I]: each neuron's slot in bundles, always resident (-1: not local); None: ask request
-    tied: bool  # tied halves, all resident at slot = neuron, computed a pair at a time (several rows, or every neuron of one)
+    tied: bool  # tied halves, all resident, held as pair records
     pairs: bool  # tied halves in any two slots (a neuron store's pair records, a hybrid CPU part): slots holding j and I/2 + j are tied
 
     def request(self, neurons: torch.Tensor) -> Request: ...
@@ -133,19 +136,32 @@ def tied_bundles(bundles: torch.Tensor, scales: torch.Tensor | None) -> bool:
     return tied_pairs(bundles[:, 0], bundles[:, 1]) and (scales is None or torch.equal(scales[:half, :2], scales[half:, :2]))
 
 
+def pair_records(bundles: torch.Tensor, scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Bundles [I, 3, H] of tied halves (tied_bundles), with int8 row scales [I, 3] -> one record per pair, [I/2, 4, H]:
+    its gate row, its up row, then the first and the second half's down columns (scales [I/2, 4])."""
+    half, _, hidden = bundles.shape
+    half //= 2
+    records = huge_empty((half, 4, hidden), bundles.dtype)
+    records[:, :3], records[:, 3] = bundles[:half], bundles[half:, 2]
+    return records, None if scales is None else torch.cat([scales[:half], scales[half:, 2:]], dim=1).contiguous()
+
+
 class ResidentUnit:
-    """All of a unit's neurons in memory; slot j holds neuron j."""
+    """All of a unit's neurons in memory: slot j holds neuron j, or for tied halves pair j's record (pair_records)."""
 
     local = None
     fixed_slots = None
-    pairs = False  # tied halves sit at slot = neuron: `tied`
+    pairs = False  # tied halves are held as pair records: `tied`
 
     def __init__(self, layer: int, expert: int, bundles: torch.Tensor, scales: torch.Tensor | None = None, channels: torch.Tensor | None = None):
+        """bundles [I, 3, H] (with int8 row scales [I, 3] and channel scales [H]); tied halves are kept as pair records."""
         self.layer, self.expert = layer, expert
-        self.bundles, self.scales, self.channels = bundles, scales, channels
         self.intermediate, _, self.hidden = bundles.shape
         self.capacity = self.intermediate
         self.tied = tied_bundles(bundles, scales)
+        if self.tied:
+            bundles, scales = pair_records(bundles, scales)
+        self.bundles, self.scales, self.channels = bundles, scales, channels
 
     def request(self, neurons: torch.Tensor) -> Request:
         return Request(ready_neurons=neurons, ready_slots=neurons)

@@ -54,7 +54,7 @@ def test_a_layout_that_computes_another_mlp_is_refused(workspace, tmp_path, one_
     ckpt = thresholded(workspace, tmp_path)
     bench = load_script("layout")
     real = bench.permuted
-    monkeypatch.setattr(bench, "permuted", lambda b, s, perm, pairs: real(b, s, perm.roll(1) if perm.numel() > 8 else perm, pairs))
+    monkeypatch.setattr(bench, "permuted", lambda b, s, perm: real(b, s, perm.roll(1) if perm.numel() > 8 else perm))
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(tiny_recipe(workspace, tmp_path / "unused")))
     with pytest.raises(RuntimeError, match="computes another MLP than identity"):
         bench.main(["--ckpt", str(ckpt), "--config", str(tmp_path / "r.yaml"), "--tokens", "4", "--reps", "1", "--out", str(tmp_path / "l")])

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny import decode_path, random_windows, tied_halves_checkpoint, tiny_model, tiny_tokenizer
+from tiny import decode_path, random_windows, tied_halves_checkpoint, tiny_model, tiny_tokenizer, untie
 
 from sparseforge.checkpoint import save_sparse
 from sparseforge.cli import main
@@ -117,12 +117,43 @@ def test_the_runtime_computes_predicted_pairs_a_pair_at_a_time_as_hf_under_the_m
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernels did not build")
+def test_neuron_predictors_over_pair_records_compute_each_predicted_half_alone(tied_pairs_ckpt, tmp_path):
+    """Neuron predictors on a checkpoint of tied halves: the resident pair records are listed by neuron (one half of
+    some pairs, both of others). The one-call step and the layer-by-layer path give the logits of every half's own
+    bundle, bit for bit, and HF's under the predicted mask, reading each listed pair's gate row once."""
+    source, model, data = tied_pairs_ckpt
+    ckpt = Path(shutil.copytree(source, tmp_path / "ckpt"))
+    assert main(["predictors", "train", str(ckpt), "--per", "neuron", "--tokens", "1024", "--heldout-tokens", "256", "--budget", "0.5",
+                 "--target-recall", "0.8", "--recall-margin", "0", "--max-epochs", "3", "--pilot-rank", "16", "--pilot-epochs", "1",
+                 "--min-rank", "8", *data]) == 0  # fmt: skip
+    predictors = load_predictors(ckpt)
+    assert not predictors.pairs
+    ids = torch.tensor(random_windows(1, 10, seed=4))
+    with torch.no_grad(), masked_mlps(model, "predicted", predictors):
+        ref = model(ids).logits
+    keep = predictors.predict(0, 0, torch.randn(64, 64))
+    assert (keep[:, :128] != keep[:, 128:]).any()  # some pairs with one half predicted
+    runs = {}
+    for name in ("tied", "layer by layer", "untied"):
+        engine = Engine.load(ckpt, mode="sparse", context=32, progress=False)
+        assert all(lw.units[0].tied and lw.units[0].bundles.shape == (128, 4, 64) for lw in engine.model.weights.layers)
+        runs[name] = _decode(decode_path(engine, name), ids)
+    (tied, a), (layered, b), (untied, c) = runs.values()
+    assert torch.equal(tied, untied) and torch.equal(layered, untied)
+    torch.testing.assert_close(tied, ref[:, 3:], atol=2e-5, rtol=1e-4)
+    for s in (a, b):
+        assert s["decode_neurons_computed_fraction"] == c["decode_neurons_computed_fraction"] < 1
+        assert s["bytes_touched_per_decode_token"] < c["bytes_touched_per_decode_token"]
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernels did not build")
 def test_the_fused_predictor_and_mlp_call_takes_both_halves_of_each_predicted_pair(tied_pairs_ckpt):
     """sf_predict_mlp (a hybrid engine's CPU part) with a pair predictor: the sum over both halves of the pairs the
     predictor gives, bit for bit the predictor's pairs expanded and then the sparse kernel over those neurons."""
     ckpt, _, _ = tied_pairs_ckpt
     engine = Engine.load(ckpt, mode="sparse", context=32, progress=False)
     unit, p, act = engine.model.weights.layers[0].units[0], engine.model.predictors[(0, 0)], engine.model.activations[0]
+    untie(unit)  # every half's bundle at slot = neuron, as a hybrid CPU part's fixed slots address them
     I = unit.intermediate
     g = torch.Generator().manual_seed(0)
     resid, xn = torch.randn(64, generator=g), torch.randn(64, generator=g)
@@ -208,6 +239,7 @@ def test_pairs_are_placed_whole_and_a_cold_pair_is_one_record(tied_pairs_ckpt, t
         scales = torch.empty(I, 3) if dtype == "int8" else None
         f.scatter(f.read(0, 0, f.positions(0, 0).numpy()).records, np.arange(I), bundles, scales, halves=np.arange(I) >= half)
         ref = resident_unit(0, 0, WeightReader(ckpt, dtype))
+        untie(ref)  # every half's bundle, as scattered
         assert torch.equal(bundles, ref.bundles) and (scales is None or torch.equal(scales, ref.scales))
 
         engine = Engine.load(ckpt, mode="sparse", weight_dtype=dtype, context=32, units=store, progress=False)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sparseforge.runtime import kernels
-from sparseforge.runtime.units import make_bundles, quantize_bundles, quantize_rows, tied_bundles
+from sparseforge.runtime.units import make_bundles, pair_records, quantize_bundles, quantize_rows, tied_bundles
 from sparseforge.sparsify.hf_code.modeling_sparseforge import ACTIVATIONS, GatedActivation
 
 pytestmark = pytest.mark.skipif(kernels.native() is None, reason="no C compiler: the native kernels did not build")
@@ -180,25 +180,36 @@ def test_int8_down_columns_scale_per_channel():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("threshold", [0.0, 0.3])
-def test_the_sparse_kernel_over_tied_pairs_is_it_over_both_halves_bit_for_bit(dtype, threshold):
-    """Pairs of tied halves from one gate and one up row each: over every pair, or some, bitwise the sparse kernel's y
-    over both halves of them (the same fired list, in the same order), reading half the gate and up rows."""
+def test_the_sparse_kernel_over_pair_records_is_it_over_both_halves_bit_for_bit(dtype, threshold):
+    """Pair records of tied halves (each pair's one gate and one up row, both down columns): over every pair, or some,
+    bitwise the sparse kernel's y over both halves' bundles (the same fired list, in the same order), reading half the
+    gate and up rows; a list of neurons over the records (one half of some pairs, both of others) equals it over
+    those neurons' bundles, reading each listed pair's gate row once."""
     g = torch.Generator().manual_seed(7)
     pairs, hidden = 150, 76
     gate, up = torch.randn(pairs, hidden, generator=g), torch.randn(pairs, hidden, generator=g)
     b = make_bundles(torch.cat([gate, gate]), torch.cat([up, -up]), torch.randn(hidden, 2 * pairs, generator=g))
     bundles, scales, channels = _bundles(b, dtype)
     assert tied_bundles(bundles, scales)
+    records, record_scales = pair_records(bundles, scales)
+    assert records.shape == (pairs, 4, hidden) and records.element_size() * records.numel() == 2 * bundles.element_size() * bundles.numel() // 3
     act = GatedActivation("drelu", threshold)
     for some in (torch.arange(pairs), torch.randperm(pairs, generator=g)[:40].sort().values):
+        neurons = torch.randperm(2 * pairs, generator=g)[: 2 * some.numel()].sort().values
         for _ in range(3):
             x = torch.randn(hidden, generator=g)
-            y_tied, y_all = torch.full((hidden,), 0.5), torch.full((hidden,), 0.5)
-            c_tied, c_all = torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)
-            kernels.sparse_mlp_native(bundles, scales, channels, some, x, act, y_tied, 0.7, c_tied, 2, tied=True)
+            y_tied, y_all, y_half, y_neurons = (torch.full((hidden,), 0.5) for _ in range(4))
+            c_tied, c_all, c_half, c_neurons = (torch.zeros(3, dtype=torch.long) for _ in range(4))
+            kernels.sparse_mlp_native(records, record_scales, channels, some, x, act, y_tied, 0.7, c_tied, 2, tied=True)
             kernels.sparse_mlp_native(bundles, scales, channels, torch.cat([some, some + pairs]), x, act, y_all, 0.7, c_all, 2)
             assert torch.equal(y_tied, y_all)
             assert c_tied[0] == some.numel() and 2 * c_tied[1] == c_all[1] and c_tied[2] == c_all[2] > 0
+            kernels.sparse_mlp_native(records, record_scales, channels, neurons, x, act, y_half, 0.7, c_half, 2)
+            kernels.sparse_mlp_native(bundles, scales, channels, neurons, x, act, y_neurons, 0.7, c_neurons, 2)
+            assert torch.equal(y_half, y_neurons) and c_half[2] == c_neurons[2] > 0
+            assert c_half[0] == torch.unique(neurons % pairs).numel() < c_neurons[0]
+    with pytest.raises(ValueError, match="pair records"):
+        kernels.sparse_mlp_native(bundles, scales, channels, some, x, act, y_tied, 0.7, c_tied, 2, tied=True)
 
 
 def test_a_load_touches_its_build_and_a_new_build_removes_builds_unloaded_for_30_days(tmp_path, monkeypatch):

@@ -172,6 +172,15 @@ def kernels_built_with(tmp_path: Path, flags: list[str]) -> ctypes.CDLL:
     return lib
 
 
+def untie(unit) -> None:
+    """A resident unit of tied halves held as every neuron's bundle [I, 3, H] (runtime/units.py pair_records undone):
+    the engine then computes each half alone."""
+    r, s = unit.bundles, unit.scales
+    unit.bundles = torch.cat([r[:, :3], torch.stack([r[:, 0], -r[:, 1], r[:, 3]], dim=1)]).contiguous()
+    unit.scales = None if s is None else torch.cat([s[:, :3], s[:, [0, 1, 3]]]).contiguous()
+    unit.tied = False
+
+
 def decode_path(engine, path: str):
     """Send a native engine's batch-1 steps of tied halves down `path`: "tied" (the one-call step, pairs at a time),
     "layer by layer" (a native call per layer, pairs at a time) or "untied" (the one-call step, each half alone).
@@ -181,7 +190,7 @@ def decode_path(engine, path: str):
     row = engine.step.row
     if path == "untied":
         for lw in engine.model.weights.layers:
-            lw.units[0].tied = False
+            untie(lw.units[0])
         row.lean = LeanStep.build(engine.model, row, engine.meter)
     elif path == "layer by layer":
         row.lean = None

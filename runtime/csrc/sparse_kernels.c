@@ -21,7 +21,9 @@
  *                  activation is zero skips its down column; counts[0..2] report how many gate rows, up
  *                  rows and down columns were read (so the engine counts the bytes it touched).
  *                  Over tied halves (neuron I/2 + i: neuron i's gate row, minus its up row) it takes the pairs: one
- *                  gate and one up row give both halves, so every neuron is computed from half those rows.
+ *                  gate and one up row give both halves, so every neuron is computed from half those rows; a
+ *                  resident unit of tied halves holds pair records [I/2, 4, H] (gate row, up row, both halves'
+ *                  down columns), each row once.
  *   sf_mlp_screen  ids of the neurons (of tied halves: the pairs) an int8 copy of the gate (and up) rows cannot prove
  *                  zero, with a rigorous bound on each row's error (runtime/screen.py): sf_sparse_mlp over them equals
  *                  it over every neuron
@@ -740,18 +742,39 @@ static SF_INLINE void block_rows(const char *base, int64_t bundle_bytes, int64_t
     }
 }
 
+/* What a sparse MLP call's list holds and how its bundles are laid out (sf_sparse_mlp's kind) */
+enum {
+    MLP_NEURONS = 0,     /* neurons' slots in bundles [S, 3, H] */
+    MLP_SLOT_PAIRS = 1,  /* tied pairs in bundles [S, 3, H]: the first halves' slots, `second` the second halves' */
+    MLP_PAIRS = 2,       /* tied pairs in pair records [S, 4, H] (gate, up, first half's down, second half's down) */
+    MLP_PAIR_HALVES = 3, /* neurons of pair records [half, 4, H]: neuron j < half is pair j's first half, half + j its second */
+};
+
+/* kind MLP_PAIR_HALVES: neuron ids [n] (distinct, < 2 half) -> the pairs holding them, ascending, into pairs [<= n],
+ * with which halves of each are listed (bit 0 the first, bit 1 the second) into want; returns how many pairs.
+ * mark: half bytes of scratch. */
+static int64_t neuron_pairs(const int64_t *ids, int64_t n, int64_t half, uint8_t *mark, int64_t *pairs, uint8_t *want) {
+    memset(mark, 0, (size_t)half);
+    for (int64_t i = 0; i < n; i++) mark[ids[i] % half] |= (uint8_t)(ids[i] < half ? 1 : 2);
+    int64_t m = 0;
+    for (int64_t j = 0; j < half; j++)
+        if (mark[j]) pairs[m] = j, want[m++] = mark[j];
+    return m;
+}
+
 /* y[0:H] += out_scale * sum over slots s of act(g_s, u_s) * down_s, bundles [S, 3, H] of `dtype`,
  * scales [S, 3] (int8 only, else NULL), channels [H] (int8 only, else NULL: a down column is its int8 row times
  * its row scale times these per-channel scales, applied once to the sum). counts[0] += gate rows read, counts[1] += up rows
  * read, counts[2] += neurons that fired (activation != 0, their down columns read).
  *
- * tied > 0: the n slots are the first halves of tied pairs, whose second halves sit at slot + tied with the same gate
- * row and scale and minus the up row (runtime/units.py tied_bundles); one gate and one up dot give both halves
- * (the float dot of -u is minus that of u, so each half's activation is the one computed from its own rows), and the
- * fired list is the first halves' then the second halves', each ascending: over slots 0..tied-1 of a resident unit
- * that is the order sf_sparse_mlp over all 2 tied slots fires them in, so the sums are the same, bit for bit.
- * second (tied only, else NULL): the second halves' slots [n], for pairs whose halves sit in any two slots (a neuron
- * store's cache); NULL: slot + tied.
+ * Tied halves (kind != MLP_NEURONS): neuron half + j has neuron j's gate row and scale and minus its up row
+ * (runtime/units.py tied_bundles); one gate and one up dot give both halves (the float dot of -u is minus that of
+ * u, so each half's activation is the one computed from its own rows), and the fired list is the first halves'
+ * then the second halves', each ascending: over every pair that is the order sf_sparse_mlp over all the neurons
+ * of untied bundles fires them in, so the sums are the same, bit for bit. The slots are pairs: with their second
+ * halves' slots in `second` (MLP_SLOT_PAIRS, a neuron store's cache), or pair records [S, 4, H] with scales [S, 4]
+ * (MLP_PAIRS, a resident unit); MLP_PAIR_HALVES lists neurons of pair records (`half` pairs) instead, each
+ * computed alone from its pair's rows.
  *
  * Three passes, each over a list known before it starts, so every pass prefetches the rows SF_MLP_AHEAD entries
  * ahead while it computes a block of 4 (one block ahead left a thread waiting on memory: the rows are pieces of
@@ -761,19 +784,24 @@ static SF_INLINE void block_rows(const char *base, int64_t bundle_bytes, int64_t
  * thread count). A single pass that decided up and down per block of 4 waited on memory twice per block. */
 static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, const float *channels, const int dtype, int64_t hidden, const int64_t *slots,
                                        int64_t n, const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts,
-                                       int64_t tied, const int64_t *second, int nthreads) {
+                                       int kind, int64_t half, const int64_t *second, int nthreads) {
     if (n <= 0) return 0;
     const char *base = (const char *)bundles;
-    const int64_t row_bytes = hidden * ELEM_SIZE[dtype], bundle_bytes = 3 * row_bytes, per = tied ? 2 : 1;
+    const int tied = kind != MLP_NEURONS, rec = kind >= MLP_PAIRS ? 4 : 3;  /* rows per record */
+    const int64_t row_bytes = hidden * ELEM_SIZE[dtype], bundle_bytes = rec * row_bytes, per = tied ? 2 : 1;
+    const int64_t neurons = kind == MLP_PAIR_HALVES ? n : per * n;
     float *g = malloc(sizeof(float) * (n + 4)), *h = malloc(sizeof(float) * per * (n + 4));
     int64_t *live = malloc(sizeof(int64_t) * (n + 4)), *fired = malloc(sizeof(int64_t) * per * (n + 4));
+    int64_t *listed = kind == MLP_PAIR_HALVES ? malloc(sizeof(int64_t) * (n + 4)) : NULL;
+    uint8_t *want = kind == MLP_PAIR_HALVES ? malloc((size_t)(n + 4 + half)) : NULL;
     int64_t nl = 0, nf = 0;
-    int nt = threads_for(nthreads, per * n);  /* as over all the neurons, so tied and untied split the sums alike */
+    int nt = threads_for(nthreads, neurons);  /* as over all the neurons, so tied and untied split the sums alike */
     float *part = malloc(sizeof(float) * (size_t)(nt * hidden));  /* per-thread sums of down columns */
-    if (!g || !h || !live || !fired || !part) {
-        free(g), free(h), free(live), free(fired), free(part);
+    if (!g || !h || !live || !fired || !part || (kind == MLP_PAIR_HALVES && (!listed || !want))) {
+        free(g), free(h), free(live), free(fired), free(part), free(listed), free(want);
         return -1;
     }
+    if (kind == MLP_PAIR_HALVES) n = neuron_pairs(slots, n, half, want + n + 4, listed, want), slots = listed;
     float *h2 = h + n + 4;  /* tied: the second halves' activations, then the fired list's */
     int8_t xq[dtype == SF_I8 ? hidden : 1];  /* int8 rows: x quantized once for both dot passes */
     float xd[dtype == SF_I8 ? q8_blocks(hidden) : 1];
@@ -787,7 +815,7 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
             block_rows(base, bundle_bytes, 0, slots, NULL, k0, n, r);
             if (k0 + SF_MLP_AHEAD < n) block_rows(base, bundle_bytes, 0, slots, NULL, k0 + SF_MLP_AHEAD, n, next);
             dot4_x(r, x, xq, xd, hidden, dtype, d, k0 + SF_MLP_AHEAD < n ? next : NULL);
-            for (int j = 0; j < 4 && k0 + j < n; j++) g[k0 + j] = scales ? d[j] * scales[3 * slots[k0 + j]] : d[j];
+            for (int j = 0; j < 4 && k0 + j < n; j++) g[k0 + j] = scales ? d[j] * scales[rec * slots[k0 + j]] : d[j];
         }
 #pragma omp single
         for (int64_t k = 0; k < n; k++)
@@ -799,20 +827,21 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
             if (k0 + SF_MLP_AHEAD < nl) block_rows(base, bundle_bytes, row_bytes, slots, live, k0 + SF_MLP_AHEAD, nl, next);
             dot4_x(r, x, xq, xd, hidden, dtype, u, k0 + SF_MLP_AHEAD < nl ? next : NULL);
             for (int j = 0; j < 4 && k0 + j < nl; j++) {
-                int64_t k = live[k0 + j];
-                const float *sc = scales ? scales + 3 * slots[k] : NULL;
+                const int64_t k = live[k0 + j], wk = want ? want[k] : 3;
+                const float *sc = scales ? scales + rec * slots[k] : NULL;
                 const float uk = u[j] * (sc ? sc[1] : 1.0f);
-                h[k0 + j] = activation(act, g[k], uk, threshold) * out_scale * (sc ? sc[2] : 1.0f);
-                if (tied) h2[k0 + j] = activation(act, g[k], -uk, threshold) * out_scale * (sc ? scales[3 * (second ? second[k] : slots[k] + tied) + 2] : 1.0f);
+                h[k0 + j] = wk & 1 ? activation(act, g[k], uk, threshold) * out_scale * (sc ? sc[2] : 1.0f) : 0.0f;
+                if (tied) h2[k0 + j] = wk & 2 ? activation(act, g[k], -uk, threshold) * out_scale * (sc ? scales[kind == MLP_SLOT_PAIRS ? 3 * second[k] + 2 : rec * slots[k] + 3] : 1.0f) : 0.0f;
             }
         }
 #pragma omp single
         {
-            /* fired: slots, compacted in place (nf <= j); tied: the first halves', then the second halves' */
+            /* fired: the rows of their down columns (record * rec + 2, or + 3 for a pair record's second half),
+             * compacted in place (nf <= j); tied: the first halves', then the second halves' */
             for (int64_t j = 0; j < nl; j++)
-                if (h[j] != 0.0f) h[nf] = h[j], fired[nf++] = slots[live[j]];
+                if (h[j] != 0.0f) h[nf] = h[j], fired[nf++] = rec * slots[live[j]] + 2;
             for (int64_t j = 0; tied && j < nl; j++)
-                if (h2[j] != 0.0f) h[nf] = h2[j], fired[nf++] = second ? second[live[j]] : slots[live[j]] + tied;
+                if (h2[j] != 0.0f) h[nf] = h2[j], fired[nf++] = kind == MLP_SLOT_PAIRS ? 3 * second[live[j]] + 2 : rec * slots[live[j]] + 3;
         }
         /* down columns: a fixed share of the fired list per thread (static), each thread's sum in its own row of
          * `part`, the rows added in thread order: the same sums in the same order on every run. With the int8
@@ -829,8 +858,8 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
         for (int64_t k0 = 0; k0 < nf; k0 += 4) {
             float a[4];
             for (int j = 0; j < 4; j++) a[j] = k0 + j < nf ? h[k0 + j] : 0.0f;
-            block_rows(base, bundle_bytes, 2 * row_bytes, fired, NULL, k0, nf, r);
-            if (k0 + SF_MLP_AHEAD < nf) block_rows(base, bundle_bytes, 2 * row_bytes, fired, NULL, k0 + SF_MLP_AHEAD, nf, next);
+            block_rows(base, row_bytes, 0, fired, NULL, k0, nf, r);
+            if (k0 + SF_MLP_AHEAD < nf) block_rows(base, row_bytes, 0, fired, NULL, k0 + SF_MLP_AHEAD, nf, next);
             axpy4(a, r[0], r[1], r[2], r[3], acc, hidden, dtype, k0 + SF_MLP_AHEAD < nf ? next : NULL);
         }
         if (nf > 0) {
@@ -843,7 +872,7 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
         }
     }
     counts[0] += n, counts[1] += nl, counts[2] += nf;
-    free(g), free(h), free(live), free(fired), free(part);
+    free(g), free(h), free(live), free(fired), free(part), free(listed), free(want);
     return 0;
 }
 
@@ -859,14 +888,14 @@ int64_t sf_gated_act(const float *gate_up, int64_t n, int act, float threshold, 
     return fired;
 }
 
-/* sparse_mlp_impl for the given dtype (tied: 0, or the slot offset of tied pairs' second halves, or with `second` their
- * slots and tied != 0); 0, or -1 when its scratch lists (4 x n entries, 6 x n tied) could not be allocated (nothing is
- * added to y then) */
+/* sparse_mlp_impl for the given dtype and kind (MLP_NEURONS ...; half: the pairs of MLP_PAIR_HALVES's records, else
+ * unused; second: MLP_SLOT_PAIRS's second halves' slots, else NULL); 0, or -1 when its scratch lists (4 x n entries,
+ * 6 x n tied) could not be allocated (nothing is added to y then) */
 int sf_sparse_mlp(const void *bundles, const float *scales, const float *channels, int dtype, int64_t hidden, const int64_t *slots, int64_t n,
-                  int64_t tied, const int64_t *second, const float *x, int act, float threshold, float out_scale, float *y, int64_t *counts,
-                  int nthreads) {
+                  int kind, int64_t half, const int64_t *second, const float *x, int act, float threshold, float out_scale, float *y,
+                  int64_t *counts, int nthreads) {
     int rc = 0;
-#define SF_SPARSE_MLP(DT) rc = sparse_mlp_impl(bundles, scales, channels, DT, hidden, slots, n, x, act, threshold, out_scale, y, counts, tied, second, nthreads)
+#define SF_SPARSE_MLP(DT) rc = sparse_mlp_impl(bundles, scales, channels, DT, hidden, slots, n, x, act, threshold, out_scale, y, counts, kind, half, second, nthreads)
     SF_DISPATCH(SF_SPARSE_MLP)
     return rc;
 }
@@ -911,15 +940,15 @@ int64_t sf_predict_mlp(const void *fc1, const float *s1, const void *fc2t, const
             end[i] = end[nl - 1 - i], end[nl - 1 - i] = t;
         }
         *predictor_seconds += seconds_now() - t0;
-        int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, 1, second, x, act, threshold, out_scale, y, counts, nthreads);
-        if (!rc) rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, end, nl, 0, NULL, x, act, threshold, out_scale, y, counts, nthreads);
+        int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, MLP_SLOT_PAIRS, 0, second, x, act, threshold, out_scale, y, counts, nthreads);
+        if (!rc) rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, end, nl, MLP_NEURONS, 0, NULL, x, act, threshold, out_scale, y, counts, nthreads);
         return rc ? -1 : 2 * m + nl;
     }
     if (pairs) n = pair_neurons(ids, n, inter);
     for (int64_t i = 0; i < n; i++)
         if (slot_of[ids[i]] >= 0) ids[m++] = slot_of[ids[i]];
     *predictor_seconds += seconds_now() - t0;
-    int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, 0, NULL, x, act, threshold, out_scale, y, counts, nthreads);
+    int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, MLP_NEURONS, 0, NULL, x, act, threshold, out_scale, y, counts, nthreads);
     return rc ? -1 : m;
 }
 
@@ -1237,7 +1266,8 @@ typedef struct {
     const float *su_s, *su_r, *su_n;
     double *sg_scratch; /* the screen's gate bounds and flags (UnitScreen.scratch) */
     int64_t sg_tied;    /* the screen's tables are of tied halves: it lists pairs (sf_mlp_screen) */
-    int64_t b_tied;     /* tied halves at slot = neuron, computed a pair at a time: every pair (ids 0..), or the predicted or screened pairs */
+    int64_t b_tied;     /* bundles are pair records of tied halves (sf_sparse_mlp's MLP_PAIRS), computed a pair at a time: every pair (ids 0..), or the predicted or screened pairs */
+    int64_t b_halves;   /* bundles are pair records listed by neuron (MLP_PAIR_HALVES): neuron predictors over tied halves */
     int64_t p_pairs;    /* the predictor scores pairs of tied halves (inter / 2 outputs; pair j: neurons j and inter / 2 + j) */
 } sf_layer;
 
@@ -1283,8 +1313,9 @@ int sf_decode_layers(const sf_layer *layers, int64_t n_layers, float *x, float *
                 t2 = seconds_now();
             }
             /* tied: the predicted or screened pairs (n of them), or every pair (ids 0 .. inter/2 - 1) */
-            const int64_t count = L->b_tied && !L->fc1 && !L->sg_q ? n / 2 : n, offset = L->b_tied ? L->inter / 2 : 0;
-            if (sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, count, offset, NULL, xn, (int)L->act,
+            const int64_t count = L->b_tied && !L->fc1 && !L->sg_q ? n / 2 : n;
+            const int kind = L->b_tied ? MLP_PAIRS : L->b_halves ? MLP_PAIR_HALVES : MLP_NEURONS;
+            if (sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, count, kind, L->inter / 2, NULL, xn, (int)L->act,
                               L->act_threshold, 1.0f, x, counts, nthreads))
                 return -1;
             stats[0] += L->b_tied ? 2 * count : n;
