@@ -11,7 +11,13 @@ with the bundles laid out in:
 - contiguous: each token's listed bundles copied side by side for that token and layer alone, a bound no single
   layout reaches (every token's rows would have to be neighbours at once);
 - streamed: those same side-by-side rows read by the streaming matvec (`sf_matvec`, every row once, in order): the
-  rate the memory gives a call of this size, which no gathering kernel beats.
+  rate the memory gives a call of this size, which no gathering kernel beats;
+- gate plane (tied halves): the pair records with their gate rows in a plane of their own, ahead of each record's
+  other three rows (runtime/units.py pair_records), as the oracle mode holds them.
+
+`--lists every` times each layer's every unit instead of the firing list (what the oracle mode computes), `--lists
+screen` the units the int8 screen keeps (what the screen mode computes; float weights): the stored order and the gate
+plane only.
 
 Every layout reads the same rows with the same inputs (the benchmark checks that each computes identity's MLP before
 timing), so their GB/s ratios (÷ identity) are their time ratios; the streamed row reads every listed row in full.
@@ -149,24 +155,44 @@ def time_layouts(layers: list[dict], xs: list[torch.Tensor], calls: dict[str, li
     return [{"layout": name, "ms": 1000 * median(times[name]), "mb": read[name] / 1e6, "gb_s": read[name] / median(times[name]) / 1e9} for name in calls]
 
 
-def measure(ckpt: Path, dtype: str, acts: list, xs: list[torch.Tensor], masks: list[torch.Tensor], threads: int, reps: int) -> list[dict]:
-    """Rows of time_layouts for one weight dtype; acts: the layers' GatedActivation modules."""
+def measure(ckpt: Path, dtype: str, acts: list, xs: list[torch.Tensor], masks: list[torch.Tensor], threads: int, reps: int,
+            lists: str = "firing") -> list[dict]:
+    """Rows of time_layouts for one weight dtype; acts: the layers' GatedActivation modules; lists: each token's
+    firing units, every unit, or the units the screen keeps (--lists)."""
     from sparseforge.predictors.profile import load_profile
     from sparseforge.runtime.units import convert_bundles, make_bundles, pair_records, tied_bundles
     from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader
 
     profile, _ = load_profile(ckpt)
     reader = WeightReader(ckpt, dtype)
-    layers, calls, listed = [], {"identity": [], "frequency": [], "coactivation": [], "contiguous": [], STREAMED: []}, {}
+    from sparseforge.runtime.screen import screen_native, unit_screen
+
+    layers, listed, every = [], {}, lists != "firing"
+    calls = {"identity": []} if every else {"identity": [], "frequency": [], "coactivation": [], "contiguous": [], STREAMED: []}
     for i, act in enumerate(acts):
         b, s, channels = convert_bundles(make_bundles(*reader.mlp(i, 0)), WEIGHT_DTYPES[dtype])
         pairs = tied_bundles(b, s)
         if pairs:  # as the engine holds them (runtime/units.py ResidentUnit)
+            plane = pair_records(b, s, gate_plane=True)
             b, s = pair_records(b, s)
         units = b.shape[0]
         layers.append({"channels": channels, "act": act, "pairs": pairs, "units": units,
                        "row_bytes": b.shape[-1] * b.element_size() + (4 if s is not None else 0)})  # fmt: skip
-        fired = [torch.nonzero(m[:units] | m[units:] if pairs else m).flatten() for m in masks[i]]
+        if lists == "screen":
+            gate, up, _ = (w.to(WEIGHT_DTYPES[dtype]) for w in reader.mlp(i, 0))
+            screen = unit_screen(gate, up, act, pairs)
+            fired = [screen_native(screen, x, threads)[0].clone() for x in xs[i]]
+        elif every:
+            fired = [torch.arange(units) for _ in masks[i]]
+        else:
+            fired = [torch.nonzero(m[:units] | m[units:] if pairs else m).flatten() for m in masks[i]]
+        if pairs:
+            calls.setdefault("gate plane", []).append([(*plane, f) for f in fired])
+            listed.setdefault("gate plane", []).append(fired)
+        if every:
+            calls["identity"].append([(b, s, f) for f in fired])
+            listed.setdefault("identity", []).append(fired)
+            continue
         for name, perm in unit_orders(profile["counts"][i, 0], profile["order"][i, 0], pairs).items():
             bp, sp = (b, s) if name == "identity" else permuted(b, s, perm)
             inverse = torch.argsort(perm)
@@ -204,8 +230,13 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="kernel threads (default: 1)")
     p.add_argument("--tokens", type=int, default=16, help="held-out tokens per source whose firing lists are timed (default: 16)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per layout (default: 7)")
+    p.add_argument("--lists", choices=("firing", "every", "screen"), default="firing",
+                   help="each token's list: its exact firing units, every unit (the oracle mode's), or the units the int8 screen "
+                        "keeps (the screen mode's; float weights) (default: firing)")
     p.add_argument("--out", default="layout", help=OUT_HELP)
     args = p.parse_args(argv)
+    if args.lists == "screen" and "int8" in args.dtypes:
+        p.error("--lists screen needs float weights (the screen mode's): drop int8 from --dtypes")
     if args.tokens <= 0 or args.reps <= 0 or args.threads <= 0:
         p.error(f"--tokens {args.tokens} / --reps {args.reps} / --threads {args.threads}: give positive integers, e.g. --tokens 16 --reps 7 --threads 1")
     ckpt = Path(args.ckpt)
@@ -224,11 +255,12 @@ def main(argv=None) -> int:
     windows = [torch.as_tensor(w)[0, : 4 * args.tokens].tolist() for w in val.values()]
     xs, masks = firing_inputs(model.eval(), windows, args.tokens)
     acts = mlp_activations(model)
-    rows = [row for d in args.dtypes for row in measure(ckpt, d, acts, xs, masks, args.threads, args.reps)]
+    rows = [row for d in args.dtypes for row in measure(ckpt, d, acts, xs, masks, args.threads, args.reps, args.lists)]
     table = markdown_table(rows, [("dtype", "weights", ""), ("layout", "layout", ""), ("units", "units", ""), ("ms", "MLP ms / token", ".3f"), ("mb", "MB read / token", ".1f"),
                                   ("gb_s", "GB/s", ".1f"), ("vs_identity", "÷ identity", ".2f"), ("units_listed", "listed", ".1%"),
                                   ("blocks", f"{BLOCK}-blocks touched", ".1%")])  # fmt: skip
-    table += (f"\n\n`sf_sparse_mlp` over all {len(masks)} layers, the exact firing lists of {len(xs[0])} held-out tokens "
+    what = {"firing": "the exact firing lists", "every": "every unit", "screen": "the units the int8 screen keeps"}[args.lists]
+    table += (f"\n\n`sf_sparse_mlp` over all {len(masks)} layers, {what} of {len(xs[0])} held-out tokens "
               f"({args.tokens} per source: {', '.join(val)}), median of {args.reps} alternating repetitions; streaming read bandwidth "
               f"{bandwidth['read_gbs']:.1f} GB/s ({args.threads} thread(s)).")
     command = "python benchmarks/layout.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -83,7 +83,7 @@ class SfLayer(ctypes.Structure):
         ("bundles", _p), ("b_scales", _p), ("channels", _p), ("b_dtype", _i), ("inter", _i), ("act", _i),
         ("p_threshold", ctypes.c_float), ("act_threshold", ctypes.c_float),
         ("sg_q", _p), ("sg_s", _p), ("sg_r", _p), ("sg_n", _p), ("su_q", _p), ("su_s", _p), ("su_r", _p), ("su_n", _p), ("sg_scratch", _p), ("sg_tied", _i),
-        ("b_tied", _i), ("b_halves", _i), ("p_pairs", _i),
+        ("b_tied", _i), ("b_halves", _i), ("b_plane", _i), ("p_pairs", _i),
     ]  # fmt: skip
 
 
@@ -151,7 +151,7 @@ class LeanStep:
             # pair records of tied halves a pair at a time: every pair (oracle), the predicted ones or the screened ones;
             # else listed by neuron (a neuron predictor's)
             L.inter, L.b_tied, L.p_pairs = inter, int(unit.tied and (screen.tied if screen is not None else p is None or p.pairs)), int(p is not None and p.pairs)
-            L.b_halves = int(unit.tied and not L.b_tied)
+            L.b_halves, L.b_plane = int(unit.tied and not L.b_tied), int(unit.tied and unit.bundles.dim() == 2)
             self.slots += inter
             self.row_bytes = row_bytes(unit)
         self.stats = (ctypes.c_int64 * 3)()  # per step: neurons the sparse kernel computed, neurons the dense activation fired, up rows screened

@@ -29,13 +29,14 @@ import torch
 
 from sparseforge.atomic import atomic_path
 from sparseforge.errors import SparseforgeError
+from sparseforge.runtime.units import record_rows
 from sparseforge.sparsify.hf_code.modeling_sparseforge import ACTIVATIONS, GatedActivation
 
 SOURCE = Path(__file__).parent / "csrc" / "sparse_kernels.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 ACT_CODES = {kind: i for i, kind in enumerate(ACTIVATIONS)}  # same order as the C enum
-MLP_NEURONS, MLP_SLOT_PAIRS, MLP_PAIRS, MLP_PAIR_HALVES = range(4)  # sf_sparse_mlp's kinds (the C enum)
+MLP_NEURONS, MLP_SLOT_PAIRS, MLP_PAIRS, MLP_PAIR_HALVES, MLP_GATE_PLANE = 0, 1, 2, 3, 4  # sf_sparse_mlp's kinds (the C enum)
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -239,19 +240,20 @@ def sparse_mlp_native(bundles: torch.Tensor, scales: torch.Tensor | None, channe
     contiguous); bundles [S, 3, H] (int8: with row scales [S, 3] and the down columns' channel scales [H]).
     counts (int64 [3]) += (gate rows read, up rows read, neurons fired = down columns read): a neuron whose gate
     already zeroes the activation reads neither of the last two.
-    Pair records [I/2, 4, H] of tied halves (runtime/units.py pair_records; int8 row scales [I/2, 4]): `slots` are
+    Pair records [I/2, 4, H] or [2 I, H] of tied halves (runtime/units.py pair_records; int8 row scales): `slots` are
     neurons (j < I/2: pair j's first half, I/2 + j its second), each computed alone from its pair's rows, or with
     tied the pairs (ascending), both halves from one gate and one up row; over every pair, bit for bit the call over
     all I neurons of the untied bundles. second: with bundles [S, 3, H] of tied halves in any two slots, `slots` holds
     pairs' first halves and `second` [n] (int64) their second halves' slots."""
     slots = slots if slots.dtype == torch.long and slots.is_contiguous() else slots.long().contiguous()
-    records = bundles.shape[1] == 4
+    plane = bundles.dim() == 2  # pair records with their gate rows in a plane of their own
+    records = plane or bundles.shape[1] == 4
     if tied and not records:
-        raise ValueError("sparse_mlp_native: tied pairs need pair records [I/2, 4, H] (runtime/units.py pair_records)")
+        raise ValueError("sparse_mlp_native: tied pairs need pair records (runtime/units.py pair_records)")
     kind = (MLP_PAIRS if tied else MLP_PAIR_HALVES) if records else MLP_SLOT_PAIRS if second is not None else MLP_NEURONS
     rc = native().sf_sparse_mlp(
         bundles.data_ptr(), ptr(scales), ptr(channels), DTYPE_CODES[bundles.dtype], bundles.shape[-1], slots.data_ptr(), slots.numel(),
-        kind, bundles.shape[0], ptr(second), x.data_ptr(), ACT_CODES[activation.kind], activation.threshold, out_scale, y.data_ptr(),
+        kind | (MLP_GATE_PLANE if plane else 0), bundles.shape[0] // 4 if plane else bundles.shape[0], ptr(second), x.data_ptr(), ACT_CODES[activation.kind], activation.threshold, out_scale, y.data_ptr(),
         counts.data_ptr(), threads,
     )  # fmt: skip
     if rc != 0:
@@ -283,12 +285,13 @@ def tied_mlp_torch(bundles: torch.Tensor, scales: torch.Tensor | None, channels:
                    activation: GatedActivation, keep: torch.Tensor | None = None, second: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """sparse_mlp_torch over tied halves (runtime/units.py tied_bundles), each pair computed from one gate and one up
     product: h = [act(g, u), act(g, -u)] ([N, 2k]), y = h @ [down_first; down_second]. `pairs` [k]: pair records
-    (bundles [I/2, 4, H], runtime/units.py pair_records), or with `second` [k] the first halves' slots of bundles
-    [S, 3, H] and their second halves'. keep: [N, 2k] or None."""
-    xq, b = _gathered(bundles, scales, pairs, x)
+    (runtime/units.py pair_records), or with `second` [k] the first halves' slots of bundles [S, 3, H] and their second
+    halves'. keep: [N, 2k] or None."""
     if second is None:
+        xq, b = quantize_activations(x) if bundles.dtype == torch.int8 else x, dequantize(*record_rows(bundles, scales, pairs))
         d2 = b[:, 3]
     else:
+        xq, b = _gathered(bundles, scales, pairs, x)
         d2 = dequantize(bundles[:, 2].index_select(0, second), None if scales is None else scales[:, 2].index_select(0, second))
     g, u = xq @ b[:, 0].T, xq @ b[:, 1].T  # [N, k]
     return _down(torch.cat([activation(g, u), activation(g, -u)], dim=1), torch.cat([b[:, 2], d2]), keep, channels)

@@ -22,7 +22,8 @@ are tied halves (neuron I/2 + i: neuron i's gate row, minus its up row; train/ti
 records* instead of bundles, `bundles[p] = [gate_p; up_p; down_p; down_{I/2+p}]` ([I/2, 4, H], `pair_records`): each
 pair's gate and up rows once, two thirds of the halves' bundles' bytes. The kernels take a list of pairs over them
 (both halves from one gate and one up row: runtime/mlp.py) or of neurons, as its requests answer (each half alone,
-from its pair's rows). A tiered unit (hot
+from its pair's rows). In the oracle mode, which lists every pair, the gate rows lie in a plane of their own, ahead of
+the other three rows of each record (`gate_plane`), so that its first pass reads them as one stream. A tiered unit (hot
 neurons pinned, cold ones behind a cache over disk) implements the same interface. A request never asks
 for more than `capacity` neurons; callers with more (dense prefill under a small budget) split them into
 chunks (in `unit.order(neurons)`) and release each chunk before requesting the next.
@@ -66,8 +67,8 @@ class MLPUnit(Protocol):
     hidden: int
     intermediate: int
     capacity: int  # most neurons one request may hold at once
-    bundles: torch.Tensor  # [S, 3, H], or pair records [I/2, 4, H] when `tied`
-    scales: torch.Tensor | None  # [S, 3] ([I/2, 4]) float32 per-row scales when bundles are int8, else None
+    bundles: torch.Tensor  # [S, 3, H], or when `tied` pair records [I/2, 4, H] or [2 I, H] (pair_records)
+    scales: torch.Tensor | None  # [S, 3] ([I/2, 4] or [2 I]) float32 per-row scales when bundles are int8, else None
     channels: torch.Tensor | None  # [H] float32 per-output-channel scales of the int8 down columns, else None
     local: torch.Tensor | None  # bool [I]: the neurons computed through this unit (a hybrid split: the CPU's); None: all
     fixed_slots: torch.Tensor | None  # int64 [I]: each neuron's slot in bundles, always resident (-1: not local); None: ask request
@@ -136,14 +137,30 @@ def tied_bundles(bundles: torch.Tensor, scales: torch.Tensor | None) -> bool:
     return tied_pairs(bundles[:, 0], bundles[:, 1]) and (scales is None or torch.equal(scales[:half, :2], scales[half:, :2]))
 
 
-def pair_records(bundles: torch.Tensor, scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pair_records(bundles: torch.Tensor, scales: torch.Tensor | None, gate_plane: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Bundles [I, 3, H] of tied halves (tied_bundles), with int8 row scales [I, 3] -> one record per pair, [I/2, 4, H]:
-    its gate row, its up row, then the first and the second half's down columns (scales [I/2, 4])."""
+    its gate row, its up row, then the first and the second half's down columns (scales [I/2, 4]). gate_plane: the
+    pairs' gate rows first, then each pair's other three rows, as one tensor [2 I, H] (scales [2 I])."""
     half, _, hidden = bundles.shape
     half //= 2
-    records = huge_empty((half, 4, hidden), bundles.dtype)
-    records[:, :3], records[:, 3] = bundles[:half], bundles[half:, 2]
-    return records, None if scales is None else torch.cat([scales[:half], scales[half:, 2:]], dim=1).contiguous()
+    rows = torch.cat([bundles[:half], bundles[half:, 2:]], dim=1)  # [I/2, 4, H]
+    s = None if scales is None else torch.cat([scales[:half], scales[half:, 2:]], dim=1)
+    if not gate_plane:
+        return huge_copy(rows), None if s is None else s.contiguous()
+    records = huge_empty((4 * half, hidden), bundles.dtype)
+    records[:half], records[half:] = rows[:, 0], rows[:, 1:].reshape(3 * half, hidden)
+    return records, None if s is None else torch.cat([s[:, 0], s[:, 1:].reshape(-1)])
+
+
+def record_rows(records: torch.Tensor, scales: torch.Tensor | None, pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The records of `pairs` (pair_records, either layout) as [k, 4, H] rows, with their int8 scales [k, 4] (else None)."""
+    if records.dim() == 3:
+        return records.index_select(0, pairs), None if scales is None else scales.index_select(0, pairs)
+    half = records.shape[0] // 4
+    rows = torch.cat([records.index_select(0, pairs)[:, None], records[half:].view(half, 3, -1).index_select(0, pairs)], dim=1)
+    if scales is None:
+        return rows, None
+    return rows, torch.cat([scales.index_select(0, pairs)[:, None], scales[half:].view(half, 3).index_select(0, pairs)], dim=1)
 
 
 class ResidentUnit:
@@ -153,14 +170,16 @@ class ResidentUnit:
     fixed_slots = None
     pairs = False  # tied halves are held as pair records: `tied`
 
-    def __init__(self, layer: int, expert: int, bundles: torch.Tensor, scales: torch.Tensor | None = None, channels: torch.Tensor | None = None):
-        """bundles [I, 3, H] (with int8 row scales [I, 3] and channel scales [H]); tied halves are kept as pair records."""
+    def __init__(self, layer: int, expert: int, bundles: torch.Tensor, scales: torch.Tensor | None = None, channels: torch.Tensor | None = None,
+                 gate_plane: bool = False):
+        """bundles [I, 3, H] (with int8 row scales [I, 3] and channel scales [H]); tied halves are kept as pair records
+        (gate_plane: their gate rows in a plane of their own)."""
         self.layer, self.expert = layer, expert
         self.intermediate, _, self.hidden = bundles.shape
         self.capacity = self.intermediate
         self.tied = tied_bundles(bundles, scales)
         if self.tied:
-            bundles, scales = pair_records(bundles, scales)
+            bundles, scales = pair_records(bundles, scales, gate_plane)
         self.bundles, self.scales, self.channels = bundles, scales, channels
 
     def request(self, neurons: torch.Tensor) -> Request:

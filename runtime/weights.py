@@ -81,9 +81,11 @@ def convert(w: torch.Tensor, weight_dtype: str) -> tuple[torch.Tensor, torch.Ten
     return huge_copy(w, WEIGHT_DTYPES[weight_dtype]), None
 
 
-def resident_unit(layer: int, expert: int, reader: WeightReader) -> MLPUnit:
-    """Default units factory: every bundle of the unit in memory, in reader.weight_dtype."""
-    return ResidentUnit(layer, expert, *convert_bundles(make_bundles(*reader.mlp(layer, expert)), WEIGHT_DTYPES[reader.weight_dtype]))
+def resident_unit(layer: int, expert: int, reader: WeightReader, gate_plane: bool = False) -> MLPUnit:
+    """Default units factory: every bundle of the unit in memory, in reader.weight_dtype (gate_plane: tied halves'
+    gate rows in a plane of their own, runtime/units.py pair_records)."""
+    bundles = convert_bundles(make_bundles(*reader.mlp(layer, expert)), WEIGHT_DTYPES[reader.weight_dtype])
+    return ResidentUnit(layer, expert, *bundles, gate_plane=gate_plane)
 
 
 @dataclass
@@ -203,8 +205,10 @@ def load_weights(reader: WeightReader, config, mode: str, units: Callable | None
                 gate_up, gu_scales = convert(torch.cat([gate, up]), reader.weight_dtype)
                 down, down_scales = convert(down, reader.weight_dtype)
                 lw.dense.append((Linear(gate_up, gu_scales, None, threads, native), Linear(down, down_scales, None, threads, native)))
+            elif units is None:  # the oracle lists every pair of tied halves: their gate rows are read as one stream
+                lw.units.append(resident_unit(i, e, reader, gate_plane=mode == "oracle"))
             else:
-                lw.units.append((units or resident_unit)(i, e, reader))
+                lw.units.append(units(i, e, reader))
         layers.append(lw)
     return ModelWeights(embed, embed_scales, _vector(reader, "model.norm.weight"), lm_head, layers)
 

@@ -13,10 +13,10 @@ from tiny import tiny_recipe
 from sparseforge.cli import main
 
 
-def run(ckpt, workspace, tmp_path, dtype="float32"):
+def run(ckpt, workspace, tmp_path, dtype="float32", *extra):
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(tiny_recipe(workspace, tmp_path / "unused")))
     bench = load_script("layout")
-    args = ["--ckpt", str(ckpt), "--config", str(tmp_path / "r.yaml"), "--tokens", "4", "--reps", "1", "--dtypes", dtype, "--out", str(tmp_path / "l")]
+    args = ["--ckpt", str(ckpt), "--config", str(tmp_path / "r.yaml"), "--tokens", "4", "--reps", "1", "--dtypes", dtype, "--out", str(tmp_path / "l"), *extra]
     assert bench.main(args) == 0
     return bench, json.loads((tmp_path / "l.json").read_text())
 
@@ -43,11 +43,20 @@ def test_every_layout_reads_the_same_rows_of_the_same_lists(workspace, tmp_path,
     assert result["command"] in (tmp_path / "l.md").read_text() and not (tmp_path / "unused").exists()
 
 
-def test_tied_pairs_are_permuted_as_pairs(tied_pairs_ckpt, workspace, tmp_path, one_thread):
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_tied_pairs_are_permuted_as_pairs_and_timed_with_their_gate_rows_apart(tied_pairs_ckpt, workspace, tmp_path, one_thread, dtype):
+    """Pair records in every order, and with their gate rows in a plane of their own (the oracle's layout): the same
+    rows of the firing lists, and with --lists every the oracle's lists, every pair."""
     ckpt = tmp_path / "tied"
     shutil.copytree(tied_pairs_ckpt[0], ckpt)
-    _, result = run(ckpt, workspace, tmp_path)
-    assert len({r["mb"] for r in result["rows"][:4]}) == 1 and {r["units"] for r in result["rows"]} == {"pairs"}
+    _, result = run(ckpt, workspace, tmp_path, dtype)
+    rows = {r["layout"]: r for r in result["rows"]}
+    assert list(rows) == ["identity", "frequency", "coactivation", "contiguous", "streamed (sf_matvec)", "gate plane"]
+    assert len({rows[k]["mb"] for k in ("identity", "frequency", "coactivation", "contiguous", "gate plane")}) == 1
+    assert {r["units"] for r in result["rows"]} == {"pairs"}
+    _, every = run(ckpt, workspace, tmp_path, dtype, "--lists", "every")
+    assert [r["layout"] for r in every["rows"]] == ["identity", "gate plane"] and all(r["units_listed"] == 1.0 for r in every["rows"])
+    assert every["rows"][0]["mb"] == every["rows"][1]["mb"] > rows["identity"]["mb"] and "every unit" in (tmp_path / "l.md").read_text()
 
 
 def test_a_layout_that_computes_another_mlp_is_refused(workspace, tmp_path, one_thread, monkeypatch):

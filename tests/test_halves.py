@@ -219,7 +219,8 @@ def test_an_oracle_decode_step_computes_tied_halves_a_pair_at_a_time_bit_for_bit
     for name in ("tied", "tied, layer by layer", "untied"):
         engine = Engine.load(tmp_path / "ckpt", mode="oracle", weight_dtype=weight_dtype, context=32, progress=False)
         row = engine.step.row
-        assert row is not None and row.lean is not None and all(lw.units[0].tied for lw in engine.model.weights.layers)
+        units = [lw.units[0] for lw in engine.model.weights.layers]
+        assert row is not None and row.lean is not None and all(u.tied and u.bundles.shape == (2 * u.intermediate, 64) for u in units)  # gate plane
         decode_path(engine, name.removeprefix("tied, "))
         cache = engine.new_cache(1)
         engine.forward(ids[:, :2], cache)

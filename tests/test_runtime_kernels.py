@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sparseforge.runtime import kernels
-from sparseforge.runtime.units import make_bundles, pair_records, quantize_bundles, quantize_rows, tied_bundles
+from sparseforge.runtime.units import make_bundles, pair_records, quantize_bundles, quantize_rows, record_rows, tied_bundles
 from sparseforge.sparsify.hf_code.modeling_sparseforge import ACTIVATIONS, GatedActivation
 
 pytestmark = pytest.mark.skipif(kernels.native() is None, reason="no C compiler: the native kernels did not build")
@@ -180,19 +180,23 @@ def test_int8_down_columns_scale_per_channel():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("threshold", [0.0, 0.3])
-def test_the_sparse_kernel_over_pair_records_is_it_over_both_halves_bit_for_bit(dtype, threshold):
-    """Pair records of tied halves (each pair's one gate and one up row, both down columns): over every pair, or some,
-    bitwise the sparse kernel's y over both halves' bundles (the same fired list, in the same order), reading half the
-    gate and up rows; a list of neurons over the records (one half of some pairs, both of others) equals it over
-    those neurons' bundles, reading each listed pair's gate row once."""
+@pytest.mark.parametrize("gate_plane", [False, True])
+def test_the_sparse_kernel_over_pair_records_is_it_over_both_halves_bit_for_bit(dtype, threshold, gate_plane):
+    """Pair records of tied halves (each pair's one gate and one up row, both down columns; or the gate rows in a plane
+    of their own): over every pair, or some, bitwise the sparse kernel's y over both halves' bundles (the same fired
+    list, in the same order), reading half the gate and up rows; a list of neurons over the records (one half of some
+    pairs, both of others) equals it over those neurons' bundles, reading each listed pair's gate row once."""
     g = torch.Generator().manual_seed(7)
     pairs, hidden = 150, 76
     gate, up = torch.randn(pairs, hidden, generator=g), torch.randn(pairs, hidden, generator=g)
     b = make_bundles(torch.cat([gate, gate]), torch.cat([up, -up]), torch.randn(hidden, 2 * pairs, generator=g))
     bundles, scales, channels = _bundles(b, dtype)
     assert tied_bundles(bundles, scales)
-    records, record_scales = pair_records(bundles, scales)
-    assert records.shape == (pairs, 4, hidden) and records.element_size() * records.numel() == 2 * bundles.element_size() * bundles.numel() // 3
+    records, record_scales = pair_records(bundles, scales, gate_plane)
+    assert records.element_size() * records.numel() == 2 * bundles.element_size() * bundles.numel() // 3
+    rows, row_scales = record_rows(records, record_scales, torch.arange(pairs))
+    assert torch.equal(rows[:, :3], bundles[:pairs]) and torch.equal(rows[:, 3], bundles[pairs:, 2])
+    assert scales is None or (torch.equal(row_scales[:, :3], scales[:pairs]) and torch.equal(row_scales[:, 3], scales[pairs:, 2]))
     act = GatedActivation("drelu", threshold)
     for some in (torch.arange(pairs), torch.randperm(pairs, generator=g)[:40].sort().values):
         neurons = torch.randperm(2 * pairs, generator=g)[: 2 * some.numel()].sort().values
@@ -208,6 +212,8 @@ def test_the_sparse_kernel_over_pair_records_is_it_over_both_halves_bit_for_bit(
             kernels.sparse_mlp_native(bundles, scales, channels, neurons, x, act, y_neurons, 0.7, c_neurons, 2)
             assert torch.equal(y_half, y_neurons) and c_half[2] == c_neurons[2] > 0
             assert c_half[0] == torch.unique(neurons % pairs).numel() < c_neurons[0]
+            y_torch, _ = kernels.tied_mlp_torch(records, record_scales, channels, some, x[None], act)
+            torch.testing.assert_close(0.5 + 0.7 * y_torch[0], y_tied, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="pair records"):
         kernels.sparse_mlp_native(bundles, scales, channels, some, x, act, y_tied, 0.7, c_tied, 2, tied=True)
 

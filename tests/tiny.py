@@ -175,7 +175,9 @@ def kernels_built_with(tmp_path: Path, flags: list[str]) -> ctypes.CDLL:
 def untie(unit) -> None:
     """A resident unit of tied halves held as every neuron's bundle [I, 3, H] (runtime/units.py pair_records undone):
     the engine then computes each half alone."""
-    r, s = unit.bundles, unit.scales
+    from sparseforge.runtime.units import record_rows
+
+    r, s = record_rows(unit.bundles, unit.scales, torch.arange(unit.intermediate // 2))
     unit.bundles = torch.cat([r[:, :3], torch.stack([r[:, 0], -r[:, 1], r[:, 3]], dim=1)]).contiguous()
     unit.scales = None if s is None else torch.cat([s[:, :3], s[:, [0, 1, 3]]]).contiguous()
     unit.tied = False

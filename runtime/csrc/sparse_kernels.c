@@ -748,6 +748,9 @@ enum {
     MLP_SLOT_PAIRS = 1,  /* tied pairs in bundles [S, 3, H]: the first halves' slots, `second` the second halves' */
     MLP_PAIRS = 2,       /* tied pairs in pair records [S, 4, H] (gate, up, first half's down, second half's down) */
     MLP_PAIR_HALVES = 3, /* neurons of pair records [half, 4, H]: neuron j < half is pair j's first half, half + j its second */
+    MLP_GATE_PLANE = 4,  /* with MLP_PAIRS or MLP_PAIR_HALVES: the records' gate rows lie apart, a plane [half, H] of
+                          * them first, then the records [half, 3, H] (up, first half's down, second half's down);
+                          * scales likewise, [half] then [half, 3] */
 };
 
 /* kind MLP_PAIR_HALVES: neuron ids [n] (distinct, < 2 half) -> the pairs holding them, ascending, into pairs [<= n],
@@ -774,7 +777,8 @@ static int64_t neuron_pairs(const int64_t *ids, int64_t n, int64_t half, uint8_t
  * of untied bundles fires them in, so the sums are the same, bit for bit. The slots are pairs: with their second
  * halves' slots in `second` (MLP_SLOT_PAIRS, a neuron store's cache), or pair records [S, 4, H] with scales [S, 4]
  * (MLP_PAIRS, a resident unit); MLP_PAIR_HALVES lists neurons of pair records (`half` pairs) instead, each
- * computed alone from its pair's rows.
+ * computed alone from its pair's rows. With MLP_GATE_PLANE the records' gate rows lie in a plane of their own, so a
+ * list of every pair (the oracle) reads them as one stream.
  *
  * Three passes, each over a list known before it starts, so every pass prefetches the rows SF_MLP_AHEAD entries
  * ahead while it computes a block of 4 (one block ahead left a thread waiting on memory: the rows are pieces of
@@ -787,7 +791,11 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
                                        int kind, int64_t half, const int64_t *second, int nthreads) {
     if (n <= 0) return 0;
     const char *base = (const char *)bundles;
-    const int tied = kind != MLP_NEURONS, rec = kind >= MLP_PAIRS ? 4 : 3;  /* rows per record */
+    const int plane = kind & MLP_GATE_PLANE;
+    kind &= ~MLP_GATE_PLANE;
+    const int tied = kind != MLP_NEURONS;
+    /* rows, as indices into bundles: slot s's gate row s * gr, its up row s * rec + up, its down rows the next ones */
+    const int64_t rec = kind >= MLP_PAIRS && !plane ? 4 : 3, gr = plane ? 1 : rec, up = plane ? half : 1;
     const int64_t row_bytes = hidden * ELEM_SIZE[dtype], bundle_bytes = rec * row_bytes, per = tied ? 2 : 1;
     const int64_t neurons = kind == MLP_PAIR_HALVES ? n : per * n;
     float *g = malloc(sizeof(float) * (n + 4)), *h = malloc(sizeof(float) * per * (n + 4));
@@ -812,10 +820,10 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
 #pragma omp for schedule(guided) /* guided: long runs of neighbouring blocks per thread (each block prefetches the next), and on a shared machine a descheduled thread's later, smaller chunks move to the others */
         for (int64_t k0 = 0; k0 < n; k0 += 4) {
             float d[4];
-            block_rows(base, bundle_bytes, 0, slots, NULL, k0, n, r);
-            if (k0 + SF_MLP_AHEAD < n) block_rows(base, bundle_bytes, 0, slots, NULL, k0 + SF_MLP_AHEAD, n, next);
+            block_rows(base, gr * row_bytes, 0, slots, NULL, k0, n, r);
+            if (k0 + SF_MLP_AHEAD < n) block_rows(base, gr * row_bytes, 0, slots, NULL, k0 + SF_MLP_AHEAD, n, next);
             dot4_x(r, x, xq, xd, hidden, dtype, d, k0 + SF_MLP_AHEAD < n ? next : NULL);
-            for (int j = 0; j < 4 && k0 + j < n; j++) g[k0 + j] = scales ? d[j] * scales[rec * slots[k0 + j]] : d[j];
+            for (int j = 0; j < 4 && k0 + j < n; j++) g[k0 + j] = scales ? d[j] * scales[gr * slots[k0 + j]] : d[j];
         }
 #pragma omp single
         for (int64_t k = 0; k < n; k++)
@@ -823,25 +831,25 @@ static SF_INLINE int sparse_mlp_impl(const void *bundles, const float *scales, c
 #pragma omp for schedule(guided)
         for (int64_t k0 = 0; k0 < nl; k0 += 4) {
             float u[4];
-            block_rows(base, bundle_bytes, row_bytes, slots, live, k0, nl, r);
-            if (k0 + SF_MLP_AHEAD < nl) block_rows(base, bundle_bytes, row_bytes, slots, live, k0 + SF_MLP_AHEAD, nl, next);
+            block_rows(base, bundle_bytes, up * row_bytes, slots, live, k0, nl, r);
+            if (k0 + SF_MLP_AHEAD < nl) block_rows(base, bundle_bytes, up * row_bytes, slots, live, k0 + SF_MLP_AHEAD, nl, next);
             dot4_x(r, x, xq, xd, hidden, dtype, u, k0 + SF_MLP_AHEAD < nl ? next : NULL);
             for (int j = 0; j < 4 && k0 + j < nl; j++) {
                 const int64_t k = live[k0 + j], wk = want ? want[k] : 3;
-                const float *sc = scales ? scales + rec * slots[k] : NULL;
-                const float uk = u[j] * (sc ? sc[1] : 1.0f);
-                h[k0 + j] = wk & 1 ? activation(act, g[k], uk, threshold) * out_scale * (sc ? sc[2] : 1.0f) : 0.0f;
-                if (tied) h2[k0 + j] = wk & 2 ? activation(act, g[k], -uk, threshold) * out_scale * (sc ? scales[kind == MLP_SLOT_PAIRS ? 3 * second[k] + 2 : rec * slots[k] + 3] : 1.0f) : 0.0f;
+                const float *sc = scales ? scales + rec * slots[k] + up : NULL;  /* the up row's scale, then the down rows' */
+                const float uk = u[j] * (sc ? sc[0] : 1.0f);
+                h[k0 + j] = wk & 1 ? activation(act, g[k], uk, threshold) * out_scale * (sc ? sc[1] : 1.0f) : 0.0f;
+                if (tied) h2[k0 + j] = wk & 2 ? activation(act, g[k], -uk, threshold) * out_scale * (sc ? scales[kind == MLP_SLOT_PAIRS ? 3 * second[k] + 2 : rec * slots[k] + up + 2] : 1.0f) : 0.0f;
             }
         }
 #pragma omp single
         {
-            /* fired: the rows of their down columns (record * rec + 2, or + 3 for a pair record's second half),
-             * compacted in place (nf <= j); tied: the first halves', then the second halves' */
+            /* fired: the rows of their down columns (the row after the up row, or for a pair record's second half
+             * the one after that), compacted in place (nf <= j); tied: the first halves', then the second halves' */
             for (int64_t j = 0; j < nl; j++)
-                if (h[j] != 0.0f) h[nf] = h[j], fired[nf++] = rec * slots[live[j]] + 2;
+                if (h[j] != 0.0f) h[nf] = h[j], fired[nf++] = rec * slots[live[j]] + up + 1;
             for (int64_t j = 0; tied && j < nl; j++)
-                if (h2[j] != 0.0f) h[nf] = h2[j], fired[nf++] = kind == MLP_SLOT_PAIRS ? 3 * second[live[j]] + 2 : rec * slots[live[j]] + 3;
+                if (h2[j] != 0.0f) h[nf] = h2[j], fired[nf++] = kind == MLP_SLOT_PAIRS ? 3 * second[live[j]] + 2 : rec * slots[live[j]] + up + 2;
         }
         /* down columns: a fixed share of the fired list per thread (static), each thread's sum in its own row of
          * `part`, the rows added in thread order: the same sums in the same order on every run. With the int8
@@ -1268,6 +1276,7 @@ typedef struct {
     int64_t sg_tied;    /* the screen's tables are of tied halves: it lists pairs (sf_mlp_screen) */
     int64_t b_tied;     /* bundles are pair records of tied halves (sf_sparse_mlp's MLP_PAIRS), computed a pair at a time: every pair (ids 0..), or the predicted or screened pairs */
     int64_t b_halves;   /* bundles are pair records listed by neuron (MLP_PAIR_HALVES): neuron predictors over tied halves */
+    int64_t b_plane;    /* the pair records' gate rows are a plane of their own (MLP_GATE_PLANE) */
     int64_t p_pairs;    /* the predictor scores pairs of tied halves (inter / 2 outputs; pair j: neurons j and inter / 2 + j) */
 } sf_layer;
 
@@ -1314,7 +1323,7 @@ int sf_decode_layers(const sf_layer *layers, int64_t n_layers, float *x, float *
             }
             /* tied: the predicted or screened pairs (n of them), or every pair (ids 0 .. inter/2 - 1) */
             const int64_t count = L->b_tied && !L->fc1 && !L->sg_q ? n / 2 : n;
-            const int kind = L->b_tied ? MLP_PAIRS : L->b_halves ? MLP_PAIR_HALVES : MLP_NEURONS;
+            const int kind = (L->b_tied ? MLP_PAIRS : L->b_halves ? MLP_PAIR_HALVES : MLP_NEURONS) | (L->b_plane ? MLP_GATE_PLANE : 0);
             if (sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, count, kind, L->inter / 2, NULL, xn, (int)L->act,
                               L->act_threshold, 1.0f, x, counts, nthreads))
                 return -1;
