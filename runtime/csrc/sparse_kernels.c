@@ -23,7 +23,7 @@
  *                  Over tied halves (neuron I/2 + i: neuron i's gate row, minus its up row) it takes the pairs: one
  *                  gate and one up row give both halves, so every neuron is computed from half those rows; a
  *                  resident unit of tied halves holds pair records [I/2, 4, H] (gate row, up row, both halves'
- *                  down columns), each row once.
+ *                  down columns), each row once, or (the oracle's) the gate rows as a plane ahead of the rest.
  *   sf_mlp_screen  ids of the neurons (of tied halves: the pairs) an int8 copy of the gate (and up) rows cannot prove
  *                  zero, with a rigorous bound on each row's error (runtime/screen.py): sf_sparse_mlp over them equals
  *                  it over every neuron
@@ -896,9 +896,9 @@ int64_t sf_gated_act(const float *gate_up, int64_t n, int act, float threshold, 
     return fired;
 }
 
-/* sparse_mlp_impl for the given dtype and kind (MLP_NEURONS ...; half: the pairs of MLP_PAIR_HALVES's records, else
- * unused; second: MLP_SLOT_PAIRS's second halves' slots, else NULL); 0, or -1 when its scratch lists (4 x n entries,
- * 6 x n tied) could not be allocated (nothing is added to y then) */
+/* sparse_mlp_impl for the given dtype and kind (MLP_NEURONS ..., with MLP_GATE_PLANE or'ed in; half: how many pair
+ * records for MLP_PAIR_HALVES or MLP_GATE_PLANE, else unused; second: MLP_SLOT_PAIRS's second halves' slots, else
+ * NULL); 0, or -1 when its scratch lists (4 x n entries, 6 x n tied) could not be allocated (nothing is added to y then) */
 int sf_sparse_mlp(const void *bundles, const float *scales, const float *channels, int dtype, int64_t hidden, const int64_t *slots, int64_t n,
                   int kind, int64_t half, const int64_t *second, const float *x, int act, float threshold, float out_scale, float *y,
                   int64_t *counts, int nthreads) {
