@@ -253,8 +253,8 @@ def sparse_mlp_native(bundles: torch.Tensor, scales: torch.Tensor | None, channe
     kind = (MLP_PAIRS if tied else MLP_PAIR_HALVES) if records else MLP_SLOT_PAIRS if second is not None else MLP_NEURONS
     rc = native().sf_sparse_mlp(
         bundles.data_ptr(), ptr(scales), ptr(channels), DTYPE_CODES[bundles.dtype], bundles.shape[-1], slots.data_ptr(), slots.numel(),
-        kind | (MLP_GATE_PLANE if plane else 0), bundles.shape[0] // 4 if plane else bundles.shape[0], ptr(second), x.data_ptr(), ACT_CODES[activation.kind], activation.threshold, out_scale, y.data_ptr(),
-        counts.data_ptr(), threads,
+        kind | (MLP_GATE_PLANE if plane else 0), bundles.shape[0] // 4 if plane else bundles.shape[0], ptr(second), x.data_ptr(),
+        ACT_CODES[activation.kind], activation.threshold, out_scale, y.data_ptr(), counts.data_ptr(), threads,
     )  # fmt: skip
     if rc != 0:
         raise MemoryError(f"sf_sparse_mlp could not allocate its lists for {slots.numel()} {'pairs' if tied else 'neurons'}")

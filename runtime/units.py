@@ -17,7 +17,7 @@ The engine asks a unit for the neurons it is about to compute:
 `unit.local` is None when every neuron of the MLP is computed through the unit; a hybrid engine's split unit
 (runtime/hybrid.py) sets it to the mask of the neurons the CPU computes (the others are on a device).
 
-`ResidentUnit` (everything in memory, slot = neuron) is the fully resident case; its `tied` says whether its neurons
+`ResidentUnit` (everything in memory, slot = neuron, or pair) is the fully resident case; its `tied` says whether its neurons
 are tied halves (neuron I/2 + i: neuron i's gate row, minus its up row; train/tied.py). Such a unit holds *pair
 records* instead of bundles, `bundles[p] = [gate_p; up_p; down_p; down_{I/2+p}]` ([I/2, 4, H], `pair_records`): each
 pair's gate and up rows once, two thirds of the halves' bundles' bytes. The kernels take a list of pairs over them
