@@ -160,13 +160,12 @@ def measure(ckpt: Path, dtype: str, acts: list, xs: list[torch.Tensor], masks: l
     """Rows of time_layouts for one weight dtype; acts: the layers' GatedActivation modules; lists: each token's
     firing units, every unit, or the units the screen keeps (--lists)."""
     from sparseforge.predictors.profile import load_profile
+    from sparseforge.runtime.screen import screen_native, unit_screen
     from sparseforge.runtime.units import convert_bundles, make_bundles, pair_records, tied_bundles
     from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader
 
     profile, _ = load_profile(ckpt)
     reader = WeightReader(ckpt, dtype)
-    from sparseforge.runtime.screen import screen_native, unit_screen
-
     layers, listed, every = [], {}, lists != "firing"
     calls = {"identity": []} if every else {"identity": [], "frequency": [], "coactivation": [], "contiguous": [], STREAMED: []}
     for i, act in enumerate(acts):

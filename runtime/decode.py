@@ -83,7 +83,7 @@ class SfLayer(ctypes.Structure):
         ("bundles", _p), ("b_scales", _p), ("channels", _p), ("b_dtype", _i), ("inter", _i), ("act", _i),
         ("p_threshold", ctypes.c_float), ("act_threshold", ctypes.c_float),
         ("sg_q", _p), ("sg_s", _p), ("sg_r", _p), ("sg_n", _p), ("su_q", _p), ("su_s", _p), ("su_r", _p), ("su_n", _p), ("sg_scratch", _p), ("sg_tied", _i),
-        ("b_tied", _i), ("b_halves", _i), ("b_plane", _i), ("p_pairs", _i),
+        ("b_kind", _i), ("p_pairs", _i),
     ]  # fmt: skip
 
 
@@ -97,7 +97,8 @@ class LeanStep:
 
     @classmethod
     def build(cls, model: Model, row: NativeRow, meter: Meter) -> "LeanStep | None":
-        """None when some MLP needs the general path: MoE, units that are not fully resident, a down bias."""
+        """None when some MLP needs the general path: MoE, units that are not fully resident, a down bias, a tied screen
+        (it lists pairs) over a unit not held as pair records."""
         if model.moe:
             return None
         layers = model.weights.layers
@@ -105,6 +106,8 @@ class LeanStep:
             if not all(lw.dense and lw.dense[0][1].bias is None for lw in layers):
                 return None
         elif not all(lw.units and isinstance(lw.units[0], ResidentUnit) for lw in layers):
+            return None
+        elif model.screens and any(model.screens[(i, 0)].tied and not lw.units[0].tied for i, lw in enumerate(layers)):
             return None
         return cls(model, row, meter)
 
@@ -148,10 +151,10 @@ class LeanStep:
                 L.fc1, L.s1, L.fc2t, L.s2, L.p_dtype, L.rank = ptr(w1), ptr(s1), ptr(w2), ptr(s2), code(w1.dtype), w1.shape[0]
                 L.p_threshold, L.p_scratch = float(p.threshold), ptr(scratch)
             L.ids, L.bundles, L.b_scales, L.channels, L.b_dtype = ptr(ids), ptr(unit.bundles), ptr(unit.scales), ptr(unit.channels), code(unit.bundles.dtype)
-            # pair records of tied halves a pair at a time: every pair (oracle), the predicted ones or the screened ones;
-            # else listed by neuron (a neuron predictor's)
-            L.inter, L.b_tied, L.p_pairs = inter, int(unit.tied and (screen.tied if screen is not None else p is None or p.pairs)), int(p is not None and p.pairs)
-            L.b_halves, L.b_plane = int(unit.tied and not L.b_tied), int(unit.tied and unit.bundles.dim() == 2)
+            # pair records of tied halves a pair at a time: every pair (oracle), the predicted or the screened ones; else
+            # by neuron (a neuron predictor's over pair records, or plain bundles)
+            pairs = unit.tied and (screen.tied if screen is not None else p is None or p.pairs)
+            L.inter, L.b_kind, L.p_pairs = inter, kernels.mlp_kind(unit.bundles, pairs)[0], int(p is not None and p.pairs)
             self.slots += inter
             self.row_bytes = row_bytes(unit)
         self.stats = (ctypes.c_int64 * 3)()  # per step: neurons the sparse kernel computed, neurons the dense activation fired, up rows screened

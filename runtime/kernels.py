@@ -246,18 +246,27 @@ def sparse_mlp_native(bundles: torch.Tensor, scales: torch.Tensor | None, channe
     all I neurons of the untied bundles. second: with bundles [S, 3, H] of tied halves in any two slots, `slots` holds
     pairs' first halves and `second` [n] (int64) their second halves' slots."""
     slots = slots if slots.dtype == torch.long and slots.is_contiguous() else slots.long().contiguous()
-    plane = bundles.dim() == 2  # pair records with their gate rows in a plane of their own
-    records = plane or bundles.shape[1] == 4
-    if tied and not records:
-        raise ValueError("sparse_mlp_native: tied pairs need pair records (runtime/units.py pair_records)")
-    kind = (MLP_PAIRS if tied else MLP_PAIR_HALVES) if records else MLP_SLOT_PAIRS if second is not None else MLP_NEURONS
+    kind, half = mlp_kind(bundles, tied, second is not None)
     rc = native().sf_sparse_mlp(
         bundles.data_ptr(), ptr(scales), ptr(channels), DTYPE_CODES[bundles.dtype], bundles.shape[-1], slots.data_ptr(), slots.numel(),
-        kind | (MLP_GATE_PLANE if plane else 0), bundles.shape[0] // 4 if plane else bundles.shape[0], ptr(second), x.data_ptr(),
+        kind, half, ptr(second), x.data_ptr(),
         ACT_CODES[activation.kind], activation.threshold, out_scale, y.data_ptr(), counts.data_ptr(), threads,
     )  # fmt: skip
     if rc != 0:
         raise MemoryError(f"sf_sparse_mlp could not allocate its lists for {slots.numel()} {'pairs' if tied else 'neurons'}")
+
+
+def mlp_kind(bundles: torch.Tensor, tied: bool = False, second: bool = False) -> tuple[int, int]:
+    """(sf_sparse_mlp's kind, its `half`) for a call over `bundles`: [S, 3, H] bundles (listing neurons, or with
+    `second` pairs in two slots), or pair records [I/2, 4, H] or with their gate plane [2 I, H] (runtime/units.py
+    pair_records) listing pairs (tied) or neurons."""
+    plane = bundles.dim() == 2
+    if not plane and bundles.shape[1] == 3:
+        if tied:
+            raise ValueError("sf_sparse_mlp: tied pairs need pair records (runtime/units.py pair_records)")
+        return (MLP_SLOT_PAIRS if second else MLP_NEURONS), 0
+    half = bundles.shape[0] // 4 if plane else bundles.shape[0]
+    return (MLP_PAIRS if tied else MLP_PAIR_HALVES) | (MLP_GATE_PLANE if plane else 0), half
 
 
 def predict_mlp_native(fc1: Weights, fc2t: Weights, p_threshold: float, resid: torch.Tensor, slot_of: torch.Tensor, ids: torch.Tensor,

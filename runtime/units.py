@@ -143,12 +143,14 @@ def pair_records(bundles: torch.Tensor, scales: torch.Tensor | None, gate_plane:
     pairs' gate rows first, then each pair's other three rows, as one tensor [2 I, H] (scales [2 I])."""
     half, _, hidden = bundles.shape
     half //= 2
-    rows = torch.cat([bundles[:half], bundles[half:, 2:]], dim=1)  # [I/2, 4, H]
-    s = None if scales is None else torch.cat([scales[:half], scales[half:, 2:]], dim=1)
+    s = None if scales is None else torch.cat([scales[:half], scales[half:, 2:]], dim=1)  # [I/2, 4]
     if not gate_plane:
-        return huge_copy(rows), None if s is None else s.contiguous()
+        records = huge_empty((half, 4, hidden), bundles.dtype)
+        records[:, :3], records[:, 3] = bundles[:half], bundles[half:, 2]
+        return records, s
     records = huge_empty((4 * half, hidden), bundles.dtype)
-    records[:half], records[half:] = rows[:, 0], rows[:, 1:].reshape(3 * half, hidden)
+    rest = records[half:].view(half, 3, hidden)
+    records[:half], rest[:, :2], rest[:, 2] = bundles[:half, 0], bundles[:half, 1:], bundles[half:, 2]
     return records, None if s is None else torch.cat([s[:, 0], s[:, 1:].reshape(-1)])
 
 

@@ -147,6 +147,19 @@ def test_neuron_predictors_over_pair_records_compute_each_predicted_half_alone(t
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernels did not build")
+def test_a_tied_screen_over_units_not_held_as_pair_records_leaves_the_one_call_step(tied_pairs_ckpt):
+    """The one-call step computes a tied screen's pairs from pair records; over every half's own bundle the engine
+    takes the layer-by-layer path, which lists both halves of each screened pair, and gives the same logits."""
+    ckpt, _, _ = tied_pairs_ckpt
+    ids = torch.tensor(random_windows(1, 10, seed=4))
+    tied = Engine.load(ckpt, mode="screen", context=32, progress=False)
+    assert tied.step.row.lean is not None
+    untied = decode_path(Engine.load(ckpt, mode="screen", context=32, progress=False), "untied")
+    assert untied.step.row.lean is None and not any(lw.units[0].tied for lw in untied.model.weights.layers)
+    torch.testing.assert_close(_decode(untied, ids)[0], _decode(tied, ids)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernels did not build")
 def test_the_fused_predictor_and_mlp_call_takes_both_halves_of_each_predicted_pair(tied_pairs_ckpt):
     """sf_predict_mlp (a hybrid engine's CPU part) with a pair predictor: the sum over both halves of the pairs the
     predictor gives, bit for bit the predictor's pairs expanded and then the sparse kernel over those neurons."""

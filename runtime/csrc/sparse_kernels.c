@@ -1274,9 +1274,8 @@ typedef struct {
     const float *su_s, *su_r, *su_n;
     double *sg_scratch; /* the screen's gate bounds and flags (UnitScreen.scratch) */
     int64_t sg_tied;    /* the screen's tables are of tied halves: it lists pairs (sf_mlp_screen) */
-    int64_t b_tied;     /* bundles are pair records of tied halves (sf_sparse_mlp's MLP_PAIRS), computed a pair at a time: every pair (ids 0..), or the predicted or screened pairs */
-    int64_t b_halves;   /* bundles are pair records listed by neuron (MLP_PAIR_HALVES): neuron predictors over tied halves */
-    int64_t b_plane;    /* the pair records' gate rows are a plane of their own (MLP_GATE_PLANE) */
+    int64_t b_kind;     /* sf_sparse_mlp's kind for these bundles and ids; MLP_PAIRS (pair records, a pair at a time): every
+                         * pair (ids 0..), or the predicted or screened pairs */
     int64_t p_pairs;    /* the predictor scores pairs of tied halves (inter / 2 outputs; pair j: neurons j and inter / 2 + j) */
 } sf_layer;
 
@@ -1310,24 +1309,23 @@ int sf_decode_layers(const sf_layer *layers, int64_t n_layers, float *x, float *
             sf_matvec(L->down, L->down_s, x, (int)L->down_dtype, hidden, L->inter, L->h, 1, x, nthreads);
         } else {
             int64_t n = L->inter;
+            const int pairs = (L->b_kind & ~MLP_GATE_PLANE) == MLP_PAIRS;
             if (L->fc1) {
                 n = sf_predict(L->fc1, L->s1, L->fc2t, L->s2, (int)L->p_dtype, L->rank, hidden, L->p_pairs ? L->inter / 2 : L->inter, x,
                                L->p_threshold, L->ids, L->p_scratch, nthreads);
-                if (L->p_pairs && !L->b_tied) n = pair_neurons(L->ids, n, L->inter / 2);  /* halves not tied in memory: each one */
+                if (L->p_pairs && !pairs) n = pair_neurons(L->ids, n, L->inter / 2);  /* halves not tied in memory: each one */
                 t2 = seconds_now();
             } else if (L->sg_q) {
                 n = sf_mlp_screen(L->sg_q, L->sg_s, L->sg_r, L->sg_n, L->su_q, L->su_s, L->su_r, L->su_n, L->inter, hidden, xn, (int)L->act,
-                                  L->act_threshold, L->ids, stats + 2, L->sg_scratch, (int)L->sg_tied, nthreads);
-                if (L->sg_tied && !L->b_tied) n = pair_neurons(L->ids, n, L->inter / 2);  /* halves not tied in memory: each one */
+                                  L->act_threshold, L->ids, stats + 2, L->sg_scratch, (int)L->sg_tied, nthreads);  /* tied: pairs */
                 t2 = seconds_now();
             }
             /* tied: the predicted or screened pairs (n of them), or every pair (ids 0 .. inter/2 - 1) */
-            const int64_t count = L->b_tied && !L->fc1 && !L->sg_q ? n / 2 : n;
-            const int kind = (L->b_tied ? MLP_PAIRS : L->b_halves ? MLP_PAIR_HALVES : MLP_NEURONS) | (L->b_plane ? MLP_GATE_PLANE : 0);
-            if (sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, count, kind, L->inter / 2, NULL, xn, (int)L->act,
-                              L->act_threshold, 1.0f, x, counts, nthreads))
+            const int64_t count = pairs && !L->fc1 && !L->sg_q ? n / 2 : n;
+            if (sf_sparse_mlp(L->bundles, L->b_scales, L->channels, (int)L->b_dtype, hidden, L->ids, count, (int)L->b_kind, L->inter / 2, NULL, xn,
+                              (int)L->act, L->act_threshold, 1.0f, x, counts, nthreads))
                 return -1;
-            stats[0] += L->b_tied ? 2 * count : n;
+            stats[0] += pairs ? 2 * count : n;
         }
         double t3 = seconds_now();
         seconds[0] += t1 - t0, seconds[1] += t2 - t1, seconds[2] += t3 - t2;
