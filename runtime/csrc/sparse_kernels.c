@@ -3,7 +3,8 @@
  * Decode is memory-bandwidth bound, so every kernel streams each weight row it needs exactly once,
  * accumulates in float32, and parallelises over rows/neurons with OpenMP (per-thread accumulators,
  * no atomics). Rows stored one after another (dense matrices, the screens' tables) are read one whole row after
- * another, a single stream the hardware prefetcher follows; rows gathered from a list (the sparse MLP's neurons)
+ * another, a single stream, prefetched SF_STREAM_AHEAD bytes ahead (on some CPUs the hardware prefetcher alone runs
+ * too few lines ahead to reach the memory's bandwidth); rows gathered from a list (the sparse MLP's neurons)
  * are read four side by side while the rows SF_MLP_AHEAD entries ahead are prefetched, since no stream exists
  * there to follow. Each
  * choice measured faster than the other on its own kind of rows. Weights are float32, bfloat16, float16 or int8 with one float32 scale per row (a unit's int8
@@ -36,8 +37,9 @@
  *   sf_decode_layers  every layer of one decode step (attention block, then predictor + sparse MLP, or the
  *                  dense MLP) and the final norm in one call, from per-layer argument structs prepared at load.
  *
- * AVX2 + FMA + F16C intrinsics when the compiler targets them, a scalar fallback otherwise; the screens' integer
- * dots use VNNI byte products (AVX512-VNNI with VL, or AVX-VNNI) where the compiler targets them.
+ * AVX2 + FMA + F16C intrinsics when the compiler targets them, a scalar fallback otherwise; the integer dots use
+ * VNNI byte products (AVX512-VNNI with VL, or AVX-VNNI) where the compiler targets them, and int8 rows times a
+ * quantized vector take 64 bytes at a time with AVX-512 (BW + VNNI) where it targets that (-DSF_AVX512=0: 32).
  */
 #include <math.h>
 #include <stdint.h>
@@ -54,11 +56,40 @@
 #define SF_AVX2 0
 #endif
 
+#if SF_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SF_VNNI 1
+#define SF_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif SF_AVX2 && defined(__AVXVNNI__)
+#define SF_VNNI 1
+#define SF_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#else
+#define SF_VNNI 0
+#endif
+/* int8 rows times a quantized vector 64 bytes at a time: AVX-512 byte products (BW + VNNI) where the compiler
+ * targets them; -DSF_AVX512=0 keeps the 32-byte path */
+#if SF_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SF_HAS_AVX512 1
+#else
+#define SF_HAS_AVX512 0
+#endif
+#ifndef SF_AVX512
+#define SF_AVX512 SF_HAS_AVX512
+#endif
+#if SF_AVX512 && !SF_HAS_AVX512
+#error "SF_AVX512=1 needs a target with AVX-512 F, BW and VNNI"
+#endif
+
 #ifndef SF_PREFETCH
 #define SF_PREFETCH 1 /* software prefetch of rows ahead while a block is computed (-DSF_PREFETCH=0: none) */
 #endif
 #ifndef SF_MLP_AHEAD
 #define SF_MLP_AHEAD 12 /* the sparse MLP's passes prefetch the rows this many list entries ahead (a multiple of 4: three blocks) */
+#endif
+#ifndef SF_STREAM_AHEAD
+#define SF_STREAM_AHEAD 2048 /* rows read one after another (sf_matvec) prefetch the bytes this far ahead (0: the hardware prefetcher alone) */
+#endif
+#ifndef SF_PREFETCH_HINT
+#define SF_PREFETCH_HINT _MM_HINT_T0 /* where prefetched rows go (-DSF_PREFETCH_HINT=_MM_HINT_T1: the L2 cache) */
 #endif
 #define SF_INLINE inline __attribute__((always_inline))
 
@@ -183,10 +214,10 @@ static SF_INLINE void dot4(const void *w0, const void *w1, const void *w2, const
     for (; i + 8 <= n; i += 8) {
         __m256 xv = _mm256_loadu_ps(x + i);
         if (SF_PREFETCH && next && (i & (line - 1)) == 0) {
-            _mm_prefetch(next[0] + i * es, _MM_HINT_T0);
-            _mm_prefetch(next[1] + i * es, _MM_HINT_T0);
-            _mm_prefetch(next[2] + i * es, _MM_HINT_T0);
-            _mm_prefetch(next[3] + i * es, _MM_HINT_T0);
+            _mm_prefetch(next[0] + i * es, SF_PREFETCH_HINT);
+            _mm_prefetch(next[1] + i * es, SF_PREFETCH_HINT);
+            _mm_prefetch(next[2] + i * es, SF_PREFETCH_HINT);
+            _mm_prefetch(next[3] + i * es, SF_PREFETCH_HINT);
         }
         a0 = _mm256_fmadd_ps(load8(w0, i, dtype), xv, a0);
         a1 = _mm256_fmadd_ps(load8(w1, i, dtype), xv, a1);
@@ -216,10 +247,10 @@ static SF_INLINE void axpy4(const float *a, const void *w0, const void *w1, cons
     __m256 v0 = _mm256_set1_ps(a[0]), v1 = _mm256_set1_ps(a[1]), v2 = _mm256_set1_ps(a[2]), v3 = _mm256_set1_ps(a[3]);
     for (; i + 8 <= n; i += 8) {
         if (SF_PREFETCH && next && (i & (line - 1)) == 0) {
-            _mm_prefetch(next[0] + i * es, _MM_HINT_T0);
-            _mm_prefetch(next[1] + i * es, _MM_HINT_T0);
-            _mm_prefetch(next[2] + i * es, _MM_HINT_T0);
-            _mm_prefetch(next[3] + i * es, _MM_HINT_T0);
+            _mm_prefetch(next[0] + i * es, SF_PREFETCH_HINT);
+            _mm_prefetch(next[1] + i * es, SF_PREFETCH_HINT);
+            _mm_prefetch(next[2] + i * es, SF_PREFETCH_HINT);
+            _mm_prefetch(next[3] + i * es, SF_PREFETCH_HINT);
         }
         __m256 acc = _mm256_fmadd_ps(v0, load8(w0, i, dtype), _mm256_loadu_ps(y + i));
         acc = _mm256_fmadd_ps(v1, load8(w1, i, dtype), acc);
@@ -258,8 +289,37 @@ static void quantize_q8(const float *x, int64_t n, int8_t *q, float *d) {
 #if SF_AVX2
 /* acc += d * (the 32 products w_i q_i summed in 8 lanes of 4): |q| as unsigned times w with q's sign */
 static SF_INLINE __m256 q8_block(__m256i aq, __m256i q, const int8_t *w, __m256 d, __m256 acc) {
-    __m256i p16 = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)w), q));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1))), d, acc);
+    __m256i ws = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)w), q);
+#if SF_VNNI
+    __m256i p = SF_DPBUSD(_mm256_setzero_si256(), aq, ws);
+#else
+    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, ws), _mm256_set1_epi16(1));
+#endif
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc);
+}
+#endif
+
+#if SF_AVX512
+/* x's 64 quantized values at i in the form q8_pair reads: |q|, q's sign bits, and the two blocks' scales */
+typedef struct {
+    __m512i aq;
+    __mmask64 neg;
+    __m512 d;
+} q8x64;
+
+static SF_INLINE q8x64 q8_load64(const int8_t *q, const float *d, int64_t i) {
+    __m512i qv = _mm512_loadu_si512((const void *)(q + i));
+    __m256 lo = _mm256_broadcast_ss(d + i / QK), hi = _mm256_broadcast_ss(d + i / QK + 1);
+    __m512d dd = _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1);
+    return (q8x64){_mm512_abs_epi8(qv), _mm512_movepi8_mask(qv), _mm512_castpd_ps(dd)};
+}
+
+/* acc += d * (two blocks' products w_i q_i summed in 16 lanes of 4): the same int32 lanes as two q8_block calls
+ * (weights in [-127, 127], so negating them is exact) */
+static SF_INLINE __m512 q8_pair(q8x64 x, const int8_t *w, __m512 acc) {
+    __m512i wv = _mm512_loadu_si512((const void *)w);
+    __m512i ws = _mm512_mask_sub_epi8(wv, x.neg, _mm512_setzero_si512(), wv);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x.aq, ws)), x.d, acc);
 }
 #endif
 
@@ -279,13 +339,18 @@ static SF_INLINE float q8_tail(const int8_t *w, const int8_t *q, const float *d,
 static SF_INLINE float dot_q8(const int8_t *w, const int8_t *q, const float *d, int64_t n) {
     int64_t i = 0;
     float s = 0.0f;
+#if SF_AVX512
+    __m512 a512 = _mm512_setzero_ps();
+    for (; i + 2 * QK <= n; i += 2 * QK) a512 = q8_pair(q8_load64(q, d, i), w + i, a512);
+    s = _mm512_reduce_add_ps(a512);
+#endif
 #if SF_AVX2
     __m256 acc = _mm256_setzero_ps();
     for (; i + QK <= n; i += QK) {
         __m256i qv = _mm256_loadu_si256((const __m256i *)(q + i));
         acc = q8_block(_mm256_sign_epi8(qv, qv), qv, w + i, _mm256_broadcast_ss(d + i / QK), acc);
     }
-    s = hsum256(acc);
+    s += hsum256(acc);
 #endif
     return s + q8_tail(w, q, d, i, n);
 }
@@ -295,14 +360,28 @@ static SF_INLINE void dot4_q8(const int8_t *w0, const int8_t *w1, const int8_t *
                               int64_t n, float *out, const char *const *next) {
     int64_t i = 0;
     float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#if SF_AVX512
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps(), b2 = _mm512_setzero_ps(), b3 = _mm512_setzero_ps();
+    for (; i + 2 * QK <= n; i += 2 * QK) {
+        if (SF_PREFETCH && next) {
+            _mm_prefetch(next[0] + i, SF_PREFETCH_HINT);
+            _mm_prefetch(next[1] + i, SF_PREFETCH_HINT);
+            _mm_prefetch(next[2] + i, SF_PREFETCH_HINT);
+            _mm_prefetch(next[3] + i, SF_PREFETCH_HINT);
+        }
+        q8x64 xv = q8_load64(q, d, i);
+        b0 = q8_pair(xv, w0 + i, b0), b1 = q8_pair(xv, w1 + i, b1), b2 = q8_pair(xv, w2 + i, b2), b3 = q8_pair(xv, w3 + i, b3);
+    }
+    s0 = _mm512_reduce_add_ps(b0), s1 = _mm512_reduce_add_ps(b1), s2 = _mm512_reduce_add_ps(b2), s3 = _mm512_reduce_add_ps(b3);
+#endif
 #if SF_AVX2
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     for (; i + QK <= n; i += QK) {
         if (SF_PREFETCH && next && (i & 63) == 0) {
-            _mm_prefetch(next[0] + i, _MM_HINT_T0);
-            _mm_prefetch(next[1] + i, _MM_HINT_T0);
-            _mm_prefetch(next[2] + i, _MM_HINT_T0);
-            _mm_prefetch(next[3] + i, _MM_HINT_T0);
+            _mm_prefetch(next[0] + i, SF_PREFETCH_HINT);
+            _mm_prefetch(next[1] + i, SF_PREFETCH_HINT);
+            _mm_prefetch(next[2] + i, SF_PREFETCH_HINT);
+            _mm_prefetch(next[3] + i, SF_PREFETCH_HINT);
         }
         __m256i qv = _mm256_loadu_si256((const __m256i *)(q + i)), aq = _mm256_sign_epi8(qv, qv);
         __m256 dv = _mm256_broadcast_ss(d + i / QK);
@@ -311,7 +390,7 @@ static SF_INLINE void dot4_q8(const int8_t *w0, const int8_t *w1, const int8_t *
         a2 = q8_block(aq, qv, w2 + i, dv, a2);
         a3 = q8_block(aq, qv, w3 + i, dv, a3);
     }
-    s0 = hsum256(a0), s1 = hsum256(a1), s2 = hsum256(a2), s3 = hsum256(a3);
+    s0 += hsum256(a0), s1 += hsum256(a1), s2 += hsum256(a2), s3 += hsum256(a3);
 #else
     (void)next;
 #endif
@@ -351,6 +430,12 @@ static SF_INLINE void matvec_rows(const void *W, const float *scales, const floa
 #pragma omp for schedule(guided)
     for (int64_t r = 0; r < rows; r++) {
         const void *w = base + r * row_bytes;
+#if SF_AVX2
+        if (SF_PREFETCH && SF_STREAM_AHEAD > 0) {  /* the stream's bytes SF_STREAM_AHEAD on, a line for each line read here */
+            const char *ahead = (const char *)w + SF_STREAM_AHEAD, *end = base + rows * row_bytes;
+            for (int64_t o = 0; o < row_bytes && ahead + o < end; o += 64) _mm_prefetch(ahead + o, SF_PREFETCH_HINT);
+        }
+#endif
         float sc = scales ? scales[r] : 1.0f, b = bias ? bias[r] : 0.0f;
         for (int64_t j = 0; j < nx; j++) y[j * rows + r] = sc * dot_x(w, x + j * cols, q + j * cols, d + j * nb, cols, dtype) + b;
     }
@@ -417,15 +502,6 @@ static float quantize_q16(const float *x, int64_t n, int16_t *q, float *d) {
     return (float)(err * (1.0 + 1e-6));
 }
 
-#if SF_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define SF_VNNI 1
-#define SF_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
-#elif SF_AVX2 && defined(__AVXVNNI__)
-#define SF_VNNI 1
-#define SF_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
-#else
-#define SF_VNNI 0
-#endif
 
 int sf_has_vnni(void) { return SF_VNNI; }
 
@@ -486,12 +562,12 @@ static SF_INLINE int64_t dot_i8i16(const int8_t *w, const q16x *x, int64_t n, co
         H = SF_DPBUSD(H, _mm256_loadu_si256((const __m256i *)(x->ahi + (j))), _mm256_sign_epi8(wv, _mm256_loadu_si256((const __m256i *)(x->hi + (j))))); \
     } while (0)
         for (; i + 64 <= stop; i += 64) {
-            if (SF_PREFETCH && next) _mm_prefetch(next + i, _MM_HINT_T0);
+            if (SF_PREFETCH && next) _mm_prefetch(next + i, SF_PREFETCH_HINT);
             SF_STEP(l0, h0, i);
             SF_STEP(l1, h1, i + 32);
         }
         if (i + 32 <= stop) {
-            if (SF_PREFETCH && next) _mm_prefetch(next + i, _MM_HINT_T0);
+            if (SF_PREFETCH && next) _mm_prefetch(next + i, SF_PREFETCH_HINT);
             SF_STEP(l0, h0, i);
             i += 32;
         }
@@ -507,7 +583,7 @@ static SF_INLINE int64_t dot_i8i16(const int8_t *w, const q16x *x, int64_t n, co
         __m256i a0 = _mm256_setzero_si256(), a1 = a0;
         const int64_t stop = i + 2048 < n ? i + 2048 : n;
         for (; i + 32 <= stop; i += 32) {
-            if (SF_PREFETCH && next && (i & 63) == 0) _mm_prefetch(next + i, _MM_HINT_T0);
+            if (SF_PREFETCH && next && (i & 63) == 0) _mm_prefetch(next + i, SF_PREFETCH_HINT);
             a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + i))),
                                                         _mm256_loadu_si256((const __m256i *)(x->q + i))));
             a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + i + 16))),
@@ -1029,8 +1105,9 @@ int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const 
 #endif
         const int64_t a = rows * me / team, b = rows * (me + 1) / team;
         int64_t *mine = ids + a, n = 0;
-        for (int64_t i = a; i < b; i++) {
-            const double hi = row_bound((double)dot_i8i16(gq + i * hidden, &xs, hidden, NULL), gs[i], gr[i], gn[i], d, xl2, dl2);
+        for (int64_t i = a; i < b; i++) {  /* one stream of rows: prefetched SF_STREAM_AHEAD bytes on, as sf_matvec's */
+            const char *next = SF_STREAM_AHEAD > 0 && (i + 1) * hidden + SF_STREAM_AHEAD <= b * hidden ? (const char *)(gq + i * hidden) + SF_STREAM_AHEAD : NULL;
+            const double hi = row_bound((double)dot_i8i16(gq + i * hidden, &xs, hidden, next), gs[i], gr[i], gn[i], d, xl2, dl2);
             keep[i] = (char)!bound_kills(act, hi, t);  /* NaN keeps the neuron */
             ghi[i] = hi, mine[n] = i, n += keep[i];  /* branch-free: about half the rows survive, unpredictably */
         }
