@@ -431,9 +431,9 @@ static SF_INLINE void matvec_rows(const void *W, const float *scales, const floa
     for (int64_t r = 0; r < rows; r++) {
         const void *w = base + r * row_bytes;
 #if SF_AVX2
-        if (SF_PREFETCH && SF_STREAM_AHEAD > 0) {  /* the stream's bytes SF_STREAM_AHEAD on, a line for each line read here */
-            const char *ahead = (const char *)w + SF_STREAM_AHEAD, *end = base + rows * row_bytes;
-            for (int64_t o = 0; o < row_bytes && ahead + o < end; o += 64) _mm_prefetch(ahead + o, SF_PREFETCH_HINT);
+        if (SF_PREFETCH && SF_STREAM_AHEAD > 0) {  /* the stream's bytes SF_STREAM_AHEAD on (within W), a line for each line read here */
+            const int64_t from = r * row_bytes + SF_STREAM_AHEAD, to = from + row_bytes < rows * row_bytes ? from + row_bytes : rows * row_bytes;
+            for (int64_t o = from; o < to; o += 64) _mm_prefetch(base + o, SF_PREFETCH_HINT);
         }
 #endif
         float sc = scales ? scales[r] : 1.0f, b = bias ? bias[r] : 0.0f;
@@ -501,7 +501,6 @@ static float quantize_q16(const float *x, int64_t n, int16_t *q, float *d) {
     }
     return (float)(err * (1.0 + 1e-6));
 }
-
 
 int sf_has_vnni(void) { return SF_VNNI; }
 
@@ -1105,8 +1104,8 @@ int64_t sf_mlp_screen(const int8_t *gq, const float *gs, const float *gr, const 
 #endif
         const int64_t a = rows * me / team, b = rows * (me + 1) / team;
         int64_t *mine = ids + a, n = 0;
-        for (int64_t i = a; i < b; i++) {  /* one stream of rows: prefetched SF_STREAM_AHEAD bytes on, as sf_matvec's */
-            const char *next = SF_STREAM_AHEAD > 0 && (i + 1) * hidden + SF_STREAM_AHEAD <= b * hidden ? (const char *)(gq + i * hidden) + SF_STREAM_AHEAD : NULL;
+        for (int64_t i = a; i < b; i++) {  /* one stream of rows: the dot prefetches the row SF_STREAM_AHEAD bytes on (within the run), as sf_matvec */
+            const char *next = SF_STREAM_AHEAD > 0 && (i + 1) * hidden + SF_STREAM_AHEAD <= b * hidden ? (const char *)gq + i * hidden + SF_STREAM_AHEAD : NULL;
             const double hi = row_bound((double)dot_i8i16(gq + i * hidden, &xs, hidden, next), gs[i], gr[i], gn[i], d, xl2, dl2);
             keep[i] = (char)!bound_kills(act, hi, t);  /* NaN keeps the neuron */
             ghi[i] = hi, mine[n] = i, n += keep[i];  /* branch-free: about half the rows survive, unpredictably */
