@@ -9,7 +9,9 @@ A budget `N%` is the placement plan's (sparseforge plan --fast-memory N%): every
 (attention, embeddings, norms, predictors, KV cache for --context) plus N % of the MLP neuron bytes. HF gets the same
 bytes for weights (the plan's budget minus its KV-cache reserve) as `max_memory={"cpu": ...}` with
 `device_map="auto"` and an `offload_folder`; accelerate puts the rest on disk. Per run: decode tok/s, neuron hit
-rate (hot + cache hits / neurons requested) and bytes read from the bundle file per decode token.
+rate (hot + cache hits / neurons requested) and bytes read from the bundle file per decode token. On a checkpoint of
+tied halves with pair predictors the store holds a pair record a slot; `--bundle-slots` adds, at each budget's bytes,
+a store holding each half in a bundle slot of its own (three rows a half instead of two).
 """
 
 import argparse
@@ -31,16 +33,16 @@ from decode import HFGenerate  # noqa: E402
 class Tiered:
     """The sparse engine over a neuron store for one plan (None: fully resident, no store)."""
 
-    def __init__(self, ckpt, plan, context, threads, dtype, predictor_dtype=None):
+    def __init__(self, ckpt, plan, context, threads, dtype, predictor_dtype=None, pair_slots=True):
         from sparseforge.runtime.engine import Engine
         from sparseforge.runtime.store import tiered_units
 
         self.plan = plan
-        self.store = None if plan is None else tiered_units(ckpt, plan, dtype, context=context, progress=False)
+        self.store = None if plan is None else tiered_units(ckpt, plan, dtype, context=context, progress=False, pair_slots=pair_slots)
         self.engine = Engine.load(ckpt, mode="sparse", weight_dtype=dtype, context=context, threads=threads, units=self.store, progress=False,
                                   predictor_dtype=predictor_dtype)  # fmt: skip
         budget = plan["fast_memory"] if plan else None  # the plan's --fast-memory text, e.g. "25%"
-        where = "resident" if budget is None else f"{budget} MLP resident"
+        where = "resident" if budget is None else f"{budget} MLP resident" + ("" if pair_slots else ", a half a bundle slot")
         self.name = f"sparseforge sparse {dtype}{f' ({predictor_dtype} predictors)' if predictor_dtype else ''}, {where}"
         self.budget = budget
         self.resident = self.store.stats()["resident_bytes"] if self.store else None
@@ -137,6 +139,8 @@ def main() -> None:
     p.add_argument("--predictor-dtype", choices=list(WEIGHT_DTYPES), default=None,
                    help="dtype of the engines' predictors, and of the plans' reserve for them (default: --dtype)")
     p.add_argument("--context", type=int, default=2048, help="context the plans reserve KV cache for")
+    p.add_argument("--bundle-slots", action="store_true",
+                   help="also run each budget's store with every half of a pair record in a bundle slot of its own, under a plan counting three rows a half")
     p.add_argument("--reps", type=int, default=3, help="repetitions (engines alternate inside each)")
     p.add_argument("--out", default=None, help=f"{OUT_HELP} (default budget-t<threads>, budget-<dtype>-t<threads> for other dtypes)")
     args = p.parse_args()
@@ -145,6 +149,10 @@ def main() -> None:
     plans = {b: make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype=args.dtype, predictor_dtype=args.predictor_dtype))
              for b in args.budgets}  # fmt: skip
     contestants = [Tiered(ckpt, p, args.context, args.threads, args.dtype, args.predictor_dtype) for p in [None, *(plans[b] for b in args.budgets)]]
+    for b in args.budgets if args.bundle_slots else ():  # the same bytes, each half in a bundle slot
+        size = parse_size(str(plans[b]["budget_bytes"]))
+        plan = {**make_plan(ckpt, PlanRequest(size, context=args.context, dtype=args.dtype, predictor_dtype=args.predictor_dtype, tied=False)), "fast_memory": b}
+        contestants.append(Tiered(ckpt, plan, args.context, args.threads, args.dtype, args.predictor_dtype, pair_slots=False))
     for b in args.hf_budgets:
         contestants.append(Offload(ckpt, make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype="float32"))))
     from transformers import AutoTokenizer

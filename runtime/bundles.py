@@ -12,7 +12,7 @@ scales of its down columns, H float32 values, are in the index), so one position
 of a record (or of a run of adjacent records) is everything computing those neurons needs. A unit of tied halves
 (neuron I/2 + p: neuron p's gate row and minus its up row, exactly as stored) in a checkpoint with pair predictors
 holds one record per pair instead, `[4, H]`: the gate row, the up row, then the two halves' down columns (int8: four
-rows, then four scales), two thirds of its two halves' bytes; `scatter` writes either half's bundle from it. Within a unit the
+rows, then four scales), two thirds of its two halves' bytes; `scatter` writes it to a slot of pair records, or either half's bundle from it. Within a unit the
 records are in the order plans rank neurons (runtime/plan.py placement_ranks), highest first: the plan's hot
 neurons are the head of each unit (one sequential read at startup) and the cold ones that fire most often sit next
 to each other. With pair predictors that rank is the pair's, and a pair's two halves are adjacent records: the one
@@ -351,16 +351,18 @@ class BundleFile:
 
     def scatter(self, records: torch.Tensor, slots: np.ndarray, bundles: torch.Tensor, scales: torch.Tensor | None,
                 halves: np.ndarray | None = None) -> None:  # fmt: skip
-        """Copy records uint8 [n, record_bytes] into rows `slots` (int64 [n]) of bundles [S, 3, H] in the file dtype
-        (and of scales float32 [S, 3] for int8; a record is the bundle's rows, then for int8 its three scales), in
-        numpy with each row one item. Not torch: torch ops on the store's reader thread would start a second OpenMP team
-        there, which competes with the decode kernels' threads. halves (bool [n]): the records are pairs, and each
-        slot gets the bundle of its pair's first (False) or second (True) half."""
+        """Copy records uint8 [n, record_bytes] into rows `slots` (int64 [n]) of bundles [S, 3, H], or of pair records
+        [S, 4, H] from pair records, in the file dtype (and of scales float32 [S, 3] or [S, 4] for int8; a record is its
+        rows, then for int8 their scales), in numpy with each row one item. Not torch: torch ops on the store's reader
+        thread would start a second OpenMP team there, which competes with the decode kernels' threads. halves (bool
+        [n]): the records are pairs, and each bundle slot gets the bundle of its pair's first (False) or second (True) half."""
         rec = records.numpy()
         if halves is not None:
             rec = self._half_records(rec, np.asarray(halves, dtype=bool))
-        rows = 3 * self.hidden * WEIGHT_DTYPES[self.dtype].itemsize
-        parts = [(bundles, 0, rows)] + ([(scales, rows, self.record - rows)] if scales is not None else [])
+        rows = bundles.shape[1] * self.hidden * WEIGHT_DTYPES[self.dtype].itemsize
+        if rec.shape[1] != rows + (4 * bundles.shape[1] if scales is not None else 0):
+            raise ValueError(f"records of {rec.shape[1]} bytes do not fill slots of {bundles.shape[1]} rows")
+        parts = [(bundles, 0, rows)] + ([(scales, rows, rec.shape[1] - rows)] if scales is not None else [])
         for dest, lo, width in parts:
             item = np.dtype((np.void, width))
             dest.view(torch.uint8).numpy().reshape(dest.shape[0], width).view(item)[slots, 0] = rec[:, lo : lo + width].view(item)[:, 0]

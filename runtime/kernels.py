@@ -306,6 +306,17 @@ def tied_mlp_torch(bundles: torch.Tensor, scales: torch.Tensor | None, channels:
     return _down(torch.cat([activation(g, u), activation(g, -u)], dim=1), torch.cat([b[:, 2], d2]), keep, channels)
 
 
+def pair_halves_torch(records: torch.Tensor, scales: torch.Tensor | None, channels: torch.Tensor | None, named: torch.Tensor, x: torch.Tensor,
+                      activation: GatedActivation, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """tied_mlp_torch over the halves `named` [k] of pair records [S, 4, H] (s: record s's first half, S + s its second, as
+    sparse_mlp_native lists neurons of pair records): each listed pair from one gate and one up product, its unlisted
+    half left out. keep: [N, k] (in `named` order) or None. Returns (y [N, H], h [N, 2p] over the p listed pairs, p)."""
+    pairs, inverse = torch.unique(named % records.shape[0], return_inverse=True)
+    mask = torch.zeros(x.shape[0], 2 * pairs.numel(), dtype=torch.bool)
+    mask[:, inverse + pairs.numel() * (named >= records.shape[0])] = True if keep is None else keep
+    return *tied_mlp_torch(records, scales, channels, pairs, x, activation, mask), pairs.numel()
+
+
 def _gathered(bundles: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x as the bundles' dot products take it, the slots' bundles [k, 3, H] as floats)."""
     xq = quantize_activations(x) if bundles.dtype == torch.int8 else x

@@ -207,7 +207,12 @@ class SparseMLP:
 
     def _parts_torch(self, unit, ids: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, act, keep: torch.Tensor | None):
         """_rows over neurons `ids` at `slots`: yields (y part [N, H], h, rows read), a unit of tied halves in any two
-        slots (MLPUnit.pairs) computing the pairs with both halves among ids from one gate and one up product each."""
+        slots (MLPUnit.pairs) computing the pairs with both halves among ids from one gate and one up product each, and
+        one over pair records (a neuron store's arena: `slots` name halves) each listed pair so."""
+        if unit.bundles.dim() == 3 and unit.bundles.shape[1] == 4:
+            y, h, pairs = kernels.pair_halves_torch(unit.bundles, unit.scales, unit.channels, slots, x, act, None if keep is None else keep[:, ids])
+            yield y, h, 2 * pairs + ids.numel()
+            return
         firsts, seconds, lone = _whole_pairs(ids.numpy(), unit.intermediate // 2) if unit.pairs else ((), (), None)
         if len(firsts):
             first, second = torch.from_numpy(firsts), torch.from_numpy(seconds)

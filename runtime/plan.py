@@ -12,9 +12,10 @@ bundles. The plan maximises the expected number of resident hits per token, i.e.
 neurons, subject to `sum(hot bundle bytes) <= MLP budget`. Every bundle of a model costs the same (one hidden size,
 one dtype), so the best plan holds `floor(budget / bundle bytes)` neurons, and the globally most frequent ones are
 optimal (exchange argument: swapping a chosen neuron for a more frequent unchosen one keeps the cost and does not
-lower the value). That is `hot_counts`. A hybrid engine's device on a checkpoint of tied halves (`tied_pairs`)
-holds whole pairs, one gate row, one up row and two down columns each (two rows a half, not three), ranked by pair:
-the same argument over pairs.
+lower the value). That is `hot_counts`. Tied halves held as whole pairs (`tied_pairs`: a hybrid engine's device on a
+checkpoint of tied halves, and the neuron store on one with pair predictors, whose bundle file holds pair records)
+take one gate row, one up row and two down columns a pair (two rows a half, not three), ranked by pair: the same
+argument over pairs.
 """
 
 import math
@@ -93,7 +94,8 @@ class PlanRequest:
     head_screen: bool = True  # reserve the lm_head's int8 screen (float dtypes), which engines build by default
     predictors: bool = True  # reserve the predictors (a hybrid engine's device plan: False, they run on the CPU)
     kv_dtype: str = "float32"  # the engine's KV cache dtype (Engine.load kv_dtype)
-    tied: bool = False  # hot neurons held as whole tied pairs, two rows a half (a hybrid engine's device, tied halves)
+    tied: bool | None = None  # hot neurons held as whole tied pairs, two rows a half (a hybrid engine's device: its checkpoint's
+    # tied_halves); None: as the neuron store holds them, pair records with pair predictors (runtime/bundles.py)
 
 
 def _rate(hit: int, total: int) -> float | None:
@@ -123,7 +125,8 @@ def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[in
         )
     reserve = reserve_bytes(ckpt, shape, headers, dtype, request.context, predictor_dtype if request.predictors else None, request.head_screen,
                             request.kv_dtype)
-    per_neuron = neuron_bytes(shape.hidden, dtype, request.tied)
+    tied = pair_predictors(ckpt) if request.tied is None else request.tied
+    per_neuron = neuron_bytes(shape.hidden, dtype, tied)
     neurons = shape.layers * shape.experts * shape.intermediate
     mlp_total = neurons * per_neuron
     fm = request.fast_memory
@@ -140,7 +143,7 @@ def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[in
                 f"({human_bytes(reserve['total'])}: {parts}) for dtype {dtype} and context {request.context}; pass at least "
                 f"{math.ceil(reserve['total'] / 2**20)}MiB, a smaller --context or dtype, or a percentage such as 25%"
             )
-    rank, ranked_by = placement_ranks(ckpt, counts, pairs=request.tied or None)
+    rank, ranked_by = placement_ranks(ckpt, counts, pairs=tied or None)
     for layer, ids in (exclude or {}).items():
         rank[layer, 0, ids] = -1
     units = [rank[i, e] for i in range(shape.layers) for e in range(shape.experts)]
@@ -173,7 +176,7 @@ def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[in
         "kv_dtype": request.kv_dtype,
         "always_touched": reserve,
         "bytes_per_neuron": per_neuron,
-        "tied_pairs": request.tied,
+        "tied_pairs": tied,
         "mlp": {
             "neurons": neurons,
             "total_bytes": mlp_total,

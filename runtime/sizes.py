@@ -71,8 +71,8 @@ def matrix_bytes(shape: list[int], dtype: str) -> int:
 def neuron_bytes(hidden: int, dtype: str, tied: bool = False) -> int:
     """Bytes of one neuron bundle (gate row + up row + down column, 3 x hidden elements). int8: each of the
     three is stored as one int8 row of `hidden` (down transposed) with its own float32 scale. tied: one half of a
-    tied pair held whole (a hybrid engine's device: the pair's one gate row, one up row and two down columns, so two
-    rows per half)."""
+    tied pair held whole (a hybrid engine's device, a neuron store's pair record: the pair's one gate row, one up row
+    and two down columns, so two rows per half)."""
     rows = 2 if tied else 3
     if dtype == "int8":
         return rows * (hidden + INT8_SCALE_BYTES)

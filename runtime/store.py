@@ -1,29 +1,29 @@
-"""The two-tier neuron store: hot neurons pinned in memory, cold ones read from the bundle file into an LRU
-neuron cache by a background thread while the engine computes the resident ones.
+"""The two-tier neuron store: hot neurons pinned in memory, cold ones read from the bundle file into an LRU neuron cache
+by a background thread while the engine computes the resident ones.
 
     store = tiered_units(ckpt, "plan-25pct.json", "float32")   # or a plan dict, or a size: "25%", "400MiB"
     engine = Engine.load(ckpt, mode="sparse", weight_dtype="float32", units=store)
     ...; store.stats(); store.close()
 
-`store` is the engine's units factory (`store(layer, expert, reader) -> TieredUnit`, runtime/weights.py).
-All units share one arena of slots (`store.bundles`, every unit's `bundles`): each unit's hot neurons in a
-range of their own (pinned, loaded once at startup), then one pool of cache slots shared by every unit, an
-LRU cache of cold neurons. `request(neurons)` returns the hot and cached neurons as ready at once, claims
-pool slots for the misses (free ones first, then the least recently used slots no open request holds,
-whichever unit's neuron they hold) and queues their read on the store's reader thread; `wait()` blocks
-until they are in, `release()` lets the slots be evicted again.
+`store` is the engine's units factory (`store(layer, expert, reader) -> TieredUnit`, runtime/weights.py). All units
+share one arena of slots (`store.bundles`, every unit's `bundles`): each unit's hot neurons in a range of their own
+(pinned, loaded once at startup), then one pool of cache slots shared by every unit, an LRU cache of cold neurons.
+`request(neurons)` returns the hot and cached neurons as ready at once, claims pool slots for the misses (free ones
+first, then the least recently used slots no open request holds, whichever unit's neuron they hold) and queues their
+read on the store's reader thread; `wait()` blocks until they are in, `release()` lets the slots be evicted again.
 
-How the plan's fast memory is shared out (docs/runtime.md "Neuron store"): the plan's MLP budget holds
-`T = mlp.budget_bytes // bytes_per_neuron` bundles. A fraction `cache_fraction` of them (at least
-`min_cold_slots`) becomes the pool; the rest stay hot: the globally most frequent of the plan's hot
-neurons, as the plan's optimality argument asks. One pool rather than one cache per unit: decode computes
-one layer at a time, so the layer at hand can hold all its misses in one request (one read job per layer
-instead of a dozen). Resident MLP bytes = arena slots x bytes_per_neuron <=
-mlp.budget_bytes, checked.
+A bundle file of pair records (tied halves with pair predictors: runtime/bundles.py) fills an arena of pair records
+`[S, 4, H]`: a slot holds a pair, whichever of its halves a request names (slot s the first half, S + s the second,
+as the kernels list neurons of pair records), so a budget holds 1.5x the halves of bundles and each pair is computed
+from its one gate and one up row. Any other file fills an arena of bundles `[S, 3, H]`, a pair's halves in two slots.
 
-A token whose predicted neurons exceed a unit's `capacity` is computed in chunks; chunks taken in file order
-(sorted by `unit.position[neurons]`) turn each chunk's misses into a few long reads instead of many scattered
-ones (docs/runtime.md "Neuron store").
+How the plan's fast memory is shared out (docs/runtime.md "Neuron store"): the MLP budget holds `mlp.budget_bytes // b`
+neurons, b a slot's bytes per neuron (a bundle; half a pair record). A fraction `cache_fraction` of them (at least
+`min_cold_slots` slots) becomes the pool; the rest stay hot: the globally most frequent of the plan's hot neurons, as
+the plan's optimality argument asks. One pool rather than one cache per unit: decode computes one layer at a time, so
+the layer at hand can hold all its misses in one request (one read job per layer instead of a dozen). Resident MLP
+bytes = arena slots x slot bytes <= mlp.budget_bytes, checked. A token whose predicted neurons exceed a unit's
+`capacity` is computed in chunks in file order (`unit.position[neurons]`), so each chunk's misses are a few long reads.
 """
 
 import queue
@@ -58,15 +58,13 @@ class _Job:
 
 
 class TieredUnit:
-    """One MLP unit of a NeuronStore: its hot neurons pinned in arena slots [offset, offset + hot), its cold
-    ones read on demand into the store's shared pool of cache slots.
-
-    The slot bookkeeping is numpy (a request is a few dozen small array operations; numpy's per-call cost is
-    a fraction of torch's)."""
+    """One MLP unit of a NeuronStore: its hot neurons pinned in arena slots from `offset` on, its cold ones read on
+    demand into the store's shared pool of cache slots. The slot bookkeeping is numpy (a request is a few dozen small
+    array operations; numpy's per-call cost is a fraction of torch's)."""
 
     local = None  # every neuron is computed through the unit (runtime/units.py)
     fixed_slots = None  # slots change as neurons come and go
-    tied = False  # slots are not neuron ids: tied halves read from one pair record (`pairs`) are paired by their slots
+    tied = False  # slots are not neuron ids (an arena of pair records: a slot per pair, named per half; `pairs`: halves in two slots)
 
     def __init__(self, store: "NeuronStore", layer: int, expert: int, index: int, offset: int, hot: torch.Tensor):
         f = store.file
@@ -75,21 +73,27 @@ class TieredUnit:
         self.hot = int(hot.numel())
         self.bundles, self.scales = store.bundles, store.scales  # the arena every unit of the store shares
         self.channels = f.channels(layer, expert)  # int8: the unit's down-column channel scales (always resident), else None
-        # a request of k neurons needs min(k, cold neurons) free pool slots
-        self.capacity = self.intermediate if store.pool_slots >= self.intermediate - self.hot else store.pool_slots
         self.position = f.positions(layer, expert).numpy()  # [I] neuron -> record position in the file (chunk order)
-        self.pairs = f.pairs(layer, expert)  # one record per pair of tied halves (runtime/bundles.py)
+        self.records = store.records  # a slot holds a pair record (module docstring), keyed by pair
+        self.pairs = f.pairs(layer, expert) and not self.records  # a pair record's halves scattered to two bundle slots
         self.record_bytes = f.record_bytes(layer, expert)
-        self.slot_of = np.full(self.intermediate, -1, dtype=np.int64)  # [I] neuron -> arena slot, -1 not resident
+        self.keys = self.intermediate // 2 if self.records else self.intermediate  # what a slot holds: a pair, or a neuron
+        self.slot_of = np.full(self.keys, -1, dtype=np.int64)  # [keys] pair or neuron -> arena slot, -1 not resident
         self.jobs: list[_Job] = []
         self.counts = dict.fromkeys(COUNTERS, 0)
-        if self.hot:  # hot neurons: one read of the head of the unit's records (frequency order)
-            ids = np.sort(hot.numpy())  # slots in neuron order: the kernels then walk the hot slots sequentially
-            slots = offset + np.arange(self.hot)
-            store.fill(slots, f.read(layer, expert, self.position[ids]), self._halves(ids))
-            self.slot_of[ids] = slots
-            store.neuron_in[slots], store.owner[slots] = ids, index
-        self.load_bytes = np.unique(self.position[ids]).size * self.record_bytes if self.hot else 0
+        keys = self._keys(np.sort(hot.numpy()))  # slots in neuron order: the kernels then walk the hot slots sequentially
+        # a request of k neurons needs min(k, cold keys) free pool slots
+        self.capacity = self.intermediate if store.pool_slots >= self.keys - keys.size else store.pool_slots
+        if keys.size:  # hot neurons: one read of the head of the unit's records (frequency order)
+            slots = offset + np.arange(keys.size)
+            store.fill(slots, f.read(layer, expert, self.position[keys]), self._halves(keys))
+            self.slot_of[keys] = slots
+            store.neuron_in[slots], store.owner[slots] = keys, index
+        self.load_bytes = np.unique(self.position[keys]).size * self.record_bytes
+
+    def _keys(self, neurons: np.ndarray) -> np.ndarray:
+        """The distinct slot keys of `neurons` (ascending): their pairs in an arena of pair records, else the neurons."""
+        return np.unique(neurons % self.keys) if self.records else neurons
 
     # ---------------------------------------------------------------- the MLPUnit interface
 
@@ -110,30 +114,37 @@ class TieredUnit:
         c = self.counts
         c["requests"] += 1
         c["neurons"] += k
-        slots = self.slot_of[ids]
+        keys = ids % self.keys if self.records else ids
+        slots = self.slot_of[keys]
         resident = slots >= 0
         cached = slots >= s.pool_start
         n_cached = int(np.count_nonzero(cached))
         c["hot_hits"] += int(np.count_nonzero(resident)) - n_cached
         c["cache_hits"] += n_cached
-        held = slots[cached]
+        c["misses"] += k - int(np.count_nonzero(resident))
+        held = np.unique(slots[cached]) if self.records else slots[cached]  # both halves of a pair: its slot once
         s.pins[held] += 1
         s.last_use[held] = s.clock
         late = cached & s.loading[np.maximum(slots, 0)]  # cached, but an earlier request's read is still running
         ready = resident & ~late
-        missing = ids[~resident]
-        job = self._load(missing) if missing.size else None
+        missing = ~resident
+        job = self._load(self._keys(ids[missing])) if missing.any() else None
         any_late = bool(late.any())
         waits = [j for j in self.jobs if not j.done.is_set()] if any_late else ([job] if job else [])
         pinned = np.concatenate([held, job.slots]) if job else held
-        ready_n, ready_s = torch.from_numpy(ids[ready]), torch.from_numpy(slots[ready])
+        ready_n, ready_s = torch.from_numpy(ids[ready]), torch.from_numpy(self._named(ids[ready], slots[ready]))
         if not waits:
             return Request(ready_n, ready_s, None, lambda: self._unpin(pinned, []))
-        rest_n = np.concatenate([ids[late], missing]) if any_late else missing
-        rest_s = np.concatenate([slots[late], job.slots if job else missing]) if any_late else job.slots
+        rest = late | missing
+        rest_n = ids[rest]
+        rest_s = self._named(rest_n, self.slot_of[keys[rest]])  # the missing ones' slots were claimed by _load
         if job:  # queued last: the reader thread's Python then runs while the engine is in a kernel, not contending for the GIL here
             s.submit(job)
         return Request(ready_n, ready_s, lambda: self._wait(waits, rest_n, rest_s), lambda: self._unpin(pinned, waits))
+
+    def _named(self, neurons: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """The kernels' names of neurons in their slots: in an arena of S pair records, a second half's is S + slot."""
+        return slots + self.store.slots * (neurons >= self.keys) if self.records else slots
 
     def stats(self) -> dict:
         """Counters since load, and the unit's hot neurons and capacity (resident bytes: the store's stats)."""
@@ -142,8 +153,8 @@ class TieredUnit:
     # ---------------------------------------------------------------- cache mechanics
 
     def _load(self, neurons: np.ndarray) -> _Job:
-        """Claim pool slots for `neurons` (LRU victims among unpinned slots, of any unit): their read job, for
-        request() to queue."""
+        """Claim pool slots for `neurons` (slot keys: pairs in an arena of pair records; LRU victims among unpinned
+        slots, of any unit): their read job, for request() to queue."""
         s, m = self.store, neurons.size
         p0 = s.pool_start
         free = s.pins[p0:] == 0
@@ -159,7 +170,6 @@ class TieredUnit:
         for o in np.unique(owners[owners >= 0]).tolist():  # evicted neurons leave their units
             s.units[o].slot_of[s.neuron_in[victims[owners == o]]] = -1
         self.counts["evictions"] += int(np.count_nonzero(owners >= 0))
-        self.counts["misses"] += m
         self.slot_of[neurons] = victims
         s.neuron_in[victims], s.owner[victims] = neurons, self.index
         s.pins[victims] += 1
@@ -200,44 +210,46 @@ class TieredUnit:
         result = self.store.file.read(self.layer, self.expert, positions)
         self.store.fill(job.slots, result, self._halves(job.neurons))
         c = self.counts
-        records = np.unique(positions).size if self.pairs else positions.size  # both halves of a pair: one record
+        records = np.unique(positions).size if self.pairs else positions.size  # both halves of a pair in two slots: one record
         c["bytes_read"] += result.bytes_read
         c["records_read"] += records
         c["record_bytes"] += records * self.record_bytes
         c["reads"] += result.reads
 
     def _halves(self, neurons: np.ndarray) -> np.ndarray | None:
-        """For a unit of pair records: which half of its pair each neuron is (bool [n]), else None."""
+        """For a unit of pair records scattered to bundle slots: which half of its pair each neuron is (bool [n]), else None."""
         return neurons >= self.intermediate // 2 if self.pairs else None
 
 
 class NeuronStore:
-    """The units factory of a disk-backed engine run: the bundle file, the arena of slots and the reader thread.
+    """The units factory of a disk-backed engine run: the bundle file, the arena of slots and the reader thread. The arena
+    is one [S, 3, H] tensor of bundles or [S, 4, H] of pair records (int8: with [S, 3] or [S, 4] scales) that every unit's
+    `bundles` points at: each unit's hot neurons (pairs) in a range of their own, then `pool_slots` cache slots shared by
+    all units. pair_slots False: each half of a pair record in a bundle slot of its own (benchmarks/budget.py compares)."""
 
-    The arena is one [S, 3, H] tensor (plus [S, 3] scales for int8) that every unit's `bundles` points at:
-    each unit's hot neurons in a range of their own, then `pool_slots` cache slots shared by all units, so
-    the layer being computed can hold all of its misses at once (decode computes one layer at a time)."""
-
-    def __init__(self, ckpt: str | Path, plan: dict, weight_dtype: str, cache_fraction: float = 0.2,
-                 min_cold_slots: int = 16, io: str = "direct", verify: str = "once", merge_gap: int = MERGE_GAP,
-                 build: bool = True, progress: bool = True):  # fmt: skip
+    def __init__(self, ckpt: str | Path, plan: dict, weight_dtype: str, cache_fraction: float = 0.2, min_cold_slots: int = 16,
+                 io: str = "direct", verify: str = "once", merge_gap: int = MERGE_GAP, build: bool = True, progress: bool = True,
+                 pair_slots: bool = True):  # fmt: skip
         if plan["dtype"] != weight_dtype:
             raise SparseforgeError(f"the plan was made for dtype {plan['dtype']}, the engine runs {weight_dtype}; make a plan "
                                    f"with sparseforge plan CKPT --fast-memory {plan['fast_memory']} --dtype {weight_dtype}")  # fmt: skip
         if not 0.0 <= cache_fraction <= 1.0 or min_cold_slots < 1:
             raise SparseforgeError(f"cache_fraction {cache_fraction} must be in [0, 1] and min_cold_slots {min_cold_slots} >= 1")
         self.ckpt, self.plan, self.weight_dtype = Path(ckpt), plan, weight_dtype
-        self.per_neuron = plan["bytes_per_neuron"]
-        self.hot, self.pool_slots = split_slots(plan, self.ckpt, cache_fraction, min_cold_slots)
         self.file: BundleFile = ensure_bundles(ckpt, weight_dtype, build=build, progress=progress, io=io, verify=verify, merge_gap=merge_gap)
+        self.records = pair_slots and all(self.file.pairs(*key) for key in self.file.unit_rows)  # an arena of pair records (module docstring)
+        rows, per_slot = (4, 2) if self.records else (3, 1)  # rows and neurons a slot holds
+        self.per_neuron = self.file.record_bytes(0, 0) // per_slot if self.records else self.file.record  # a slot's bytes per neuron
+        self.hot, pool = split_slots(plan, self.ckpt, cache_fraction, min_cold_slots, self.per_neuron, self.records)
+        self.pool_slots = pool // per_slot
         self.offsets, at = {}, 0  # (layer, expert) -> (unit index, first arena slot of its hot range)
         for index, (key, ids) in enumerate(self.hot.items()):  # the units' hot ranges in key order, then the pool
-            self.offsets[key], at = (index, at), at + int(ids.numel())
+            self.offsets[key], at = (index, at), at + int(ids.numel()) // per_slot
         self.pool_start = at
-        n = at + self.pool_slots
+        self.slots = n = at + self.pool_slots
         with torch.inference_mode(False):  # normal tensors: the reader thread writes them outside inference mode
-            self.bundles = huge_empty((n, 3, self.file.hidden), WEIGHT_DTYPES[self.file.dtype])  # rows read scattered
-            self.scales = torch.empty(n, 3, dtype=torch.float32) if self.file.dtype == "int8" else None
+            self.bundles = huge_empty((n, rows, self.file.hidden), WEIGHT_DTYPES[self.file.dtype])  # rows read scattered
+            self.scales = torch.empty(n, rows, dtype=torch.float32) if self.file.dtype == "int8" else None
         self.neuron_in = np.full(n, -1, dtype=np.int64)  # [S] slot -> neuron id of its owner unit, -1 empty
         self.owner = np.full(n, -1, dtype=np.int64)  # [S] slot -> index of the unit whose neuron it holds
         self.pins = np.zeros(n, dtype=np.int64)  # open requests holding each slot
@@ -304,12 +316,10 @@ class NeuronStore:
             "cache_hit_rate": total["cache_hits"] / n,
             "resident_bytes": self.resident_bytes(),
             "mlp_budget_bytes": self.plan["mlp"]["budget_bytes"],
-            "hot_neurons": self.pool_start,
-            "cache_slots": self.pool_slots,
+            "hot_neurons": sum(int(h.numel()) for h in self.hot.values()), "hot_slots": self.pool_start,
+            "cache_slots": self.pool_slots, "slot_bytes": self.per_neuron * (2 if self.records else 1),
             "load_bytes": sum(u.load_bytes for u in self.loaded()),
-            "io": self.file.io,
-            "wait_seconds": self.wait_seconds,
-            "io_seconds": self.io_seconds,
+            "io": self.file.io, "wait_seconds": self.wait_seconds, "io_seconds": self.io_seconds,
         }
 
     def close(self) -> None:
@@ -328,10 +338,10 @@ class NeuronStore:
         self.close()
 
 
-def split_slots(plan: dict, ckpt: Path, cache_fraction: float, min_cold_slots: int) -> tuple[dict, int]:
-    """Share the plan's MLP budget between hot neurons and the shared pool of cache slots (module docstring).
-
-    Returns ({(layer, expert): hot neuron ids [h_u], most frequent first}, pool slots)."""
+def split_slots(plan: dict, ckpt: Path, cache_fraction: float, min_cold_slots: int, per_neuron: int, pairs: bool = False) -> tuple[dict, int]:
+    """Share the plan's MLP budget between hot neurons and the shared pool of cache slots (module docstring), at
+    `per_neuron` bytes a neuron; pairs: a slot holds a pair record, so hot neurons are whole pairs and the pool even.
+    Returns ({(layer, expert): hot neuron ids [h_u], most frequent first}, pool size in neurons)."""
     from sparseforge.predictors.profile import load_profile
 
     counts, ranked_by = placement_ranks(ckpt, load_profile(ckpt)[0]["counts"])  # [L, E, I], as the plan ranked them
@@ -347,23 +357,28 @@ def split_slots(plan: dict, ckpt: Path, cache_fraction: float, min_cold_slots: i
     for row in plan["layers"]:
         for ex in row.get("experts", [{"expert": 0, "hot": row.get("hot", [])}]):
             plan_hot[(row["layer"], ex["expert"])] = torch.tensor(ex["hot"], dtype=torch.long)
-    total = plan["mlp"]["budget_bytes"] // plan["bytes_per_neuron"]
+    total = plan["mlp"]["budget_bytes"] // per_neuron
     if total >= len(keys) * width:  # everything fits: all hot, no cache
         return {k: plan_hot[k] for k in keys}, 0
-    least = min(min_cold_slots, width)
+    least = 2 * min(min_cold_slots, width // 2) if pairs else min(min_cold_slots, width)
+    total -= total % 2 if pairs else 0
     if total < least:
-        need = plan["always_touched"]["total"] + least * plan["bytes_per_neuron"]
+        need = plan["always_touched"]["total"] + least * per_neuron
         raise SparseforgeError(
             f"fast memory {plan['fast_memory']} ({plan['budget_bytes']} B) leaves room for {total} neuron bundles; the neuron "
             f"store needs at least {least} cache slots: a minimum of {need} B ({human_bytes(need)}); "
             f"pass --fast-memory {-(-need // 2**20)}MiB or more"
         )
     pool = max(least, round(cache_fraction * total))
-    pool += (total - pool) % 2 if ranked_by == "pair frequency" else 0  # hot pairs whole
+    pool += (total - pool) % 2 if ranked_by == "pair frequency" or pairs else 0  # hot pairs whole
     plan_hot = {k: h[torch.argsort(counts[k][h], descending=True, stable=True)] for k, h in plan_hot.items()}  # highest rank first
     ks = hot_counts([counts[k][plan_hot[k]] for k in keys], total - pool)
     hot = {k: plan_hot[k][:n] for k, n in zip(keys, ks)}
     assert sum(len(h) for h in hot.values()) + pool <= total, (hot, pool, total)
+    for (layer, _), h in hot.items() if pairs else ():
+        if np.unique(h.numpy() % (width // 2)).size * 2 != h.numel():
+            raise SparseforgeError(f"the plan for {plan['fast_memory']} holds single halves of tied pairs hot in layer {layer}; the neuron store "
+                                   f"holds pairs whole: make the plan again: sparseforge plan {ckpt} --fast-memory {plan['fast_memory']}")  # fmt: skip
     return hot, pool
 
 
@@ -374,7 +389,7 @@ def tiered_units(ckpt: str | Path, plan: dict | str, weight_dtype: str, context:
     plan: a plan dict, a plan file name in the checkpoint ("plan-25pct.json"), or a --fast-memory size ("25%",
     "400MiB") for which a plan is made now (for `weight_dtype`, `context`, `kv_dtype` and `predictor_dtype`, default
     `weight_dtype`: pass the engine's predictor dtype; head_screen False: no reserve for the lm_head's screen). options: NeuronStore's
-    (cache_fraction, min_cold_slots, io, verify, merge_gap, build, progress)."""
+    (cache_fraction, min_cold_slots, io, verify, merge_gap, build, progress, pair_slots)."""
     if isinstance(plan, str):
         if plan.endswith(".json"):
             plan = load_plan(ckpt, plan)

@@ -73,7 +73,7 @@ class MLPUnit(Protocol):
     local: torch.Tensor | None  # bool [I]: the neurons computed through this unit (a hybrid split: the CPU's); None: all
     fixed_slots: torch.Tensor | None  # int64 [I]: each neuron's slot in bundles, always resident (-1: not local); None: ask request
     tied: bool  # tied halves, all resident, held as pair records
-    pairs: bool  # tied halves in any two slots (a neuron store's pair records, a hybrid CPU part): slots holding j and I/2 + j are tied
+    pairs: bool  # tied halves in any two slots (a hybrid CPU part, a neuron store of bundles): slots holding j and I/2 + j are tied
 
     def request(self, neurons: torch.Tensor) -> Request: ...
 

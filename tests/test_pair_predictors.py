@@ -214,10 +214,11 @@ def test_a_hybrid_cpu_part_computes_its_whole_cold_pairs_a_pair_at_a_time(tied_p
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_pairs_are_placed_whole_and_a_cold_pair_is_one_record(tied_pairs_ckpt, tmp_path, dtype):
-    """With pair predictors a plan holds whole pairs, ranked by the halves' summed counts; the bundle file holds one
-    record per pair (gate, up, both down columns), from which either half's bundle is exactly the resident one, so the
-    neuron store reads a cold pair as one record and computes a pair from one gate and one up row, and its decode is
-    the resident engine's."""
+    """With pair predictors a plan holds whole pairs, ranked by the halves' summed counts, at two rows a half; the bundle
+    file holds one record per pair (gate, up, both down columns), from which either half's bundle is exactly the
+    resident one, and the neuron store holds such records in its slots: a cold pair is one read and one slot, the budget
+    holds 1.5x the halves of bundles, a pair is computed from one gate and one up row, and its decode is the resident
+    engine's."""
     from sparseforge.predictors.profile import load_profile
     from sparseforge.runtime.bundles import bundles_up_to_date
     from sparseforge.runtime.plan import PlanRequest, make_plan
@@ -231,7 +232,8 @@ def test_pairs_are_placed_whole_and_a_cold_pair_is_one_record(tied_pairs_ckpt, t
     I, half, H = counts.shape[-1], counts.shape[-1] // 2, tied_pairs_ckpt[1].config.hidden_size
     pair_counts = counts[..., :half] + counts[..., half:]
     plan = make_plan(ckpt, PlanRequest(parse_size("30%"), context=32, dtype=dtype))
-    assert plan["ranked_by"] == "pair frequency" and plan["mlp"]["hot_neurons"] % 2 == 0
+    assert plan["ranked_by"] == "pair frequency" and plan["mlp"]["hot_neurons"] % 2 == 0 and plan["tied_pairs"]
+    assert plan["bytes_per_neuron"] == neuron_bytes(H, dtype, tied=True)
     hot_pairs = []
     for row in plan["layers"]:
         hot = set(row["hot"])
@@ -245,6 +247,10 @@ def test_pairs_are_placed_whole_and_a_cold_pair_is_one_record(tied_pairs_ckpt, t
     with tiered_units(ckpt, "30%", dtype, context=32, min_cold_slots=16, merge_gap=0, io="cached", progress=False) as store:
         f = store.file
         pair_bytes = 4 * (H + 4) if dtype == "int8" else 4 * H * WEIGHT_DTYPES[dtype].itemsize
+        budget = store.plan["mlp"]["budget_bytes"]
+        assert store.records and store.bundles.shape[1:] == (4, H) and store.slots * pair_bytes <= budget
+        assert store.stats()["resident_bytes"] == store.slots * pair_bytes == (store.stats()["hot_slots"] + store.pool_slots) * pair_bytes
+        assert 2 * store.slots >= (budget // (pair_bytes // 2)) - 1 > 1.4 * (budget // neuron_bytes(H, dtype))  # 1.5x the halves
         assert all(f.pairs(i, 0) and f.record_bytes(i, 0) == pair_bytes for i in range(len(plan["layers"])))
         order = f.unit_rows[(0, 0)]["order"]
         assert sorted(order) == list(range(half)) and pair_counts[0, 0][order].tolist() == sorted(pair_counts[0, 0].tolist(), reverse=True)
@@ -262,6 +268,7 @@ def test_pairs_are_placed_whole_and_a_cold_pair_is_one_record(tied_pairs_ckpt, t
         if NATIVE:  # a predicted pair whose halves are both in the arena is computed from one gate row
             assert 0 < int(engine.meter.rows_read[0]) < engine.meter.decode_computed
         assert s["misses"] > 0 and s["record_bytes"] == s["records_read"] * pair_bytes and s["misses"] <= 2 * s["records_read"]
+        assert s["hot_hits"] + s["cache_hits"] + s["misses"] == s["neurons"]
         assert s["record_bytes"] < s["misses"] * neuron_bytes(H, dtype) and s["reads"] <= s["records_read"]
         hot = store.hot[(0, 0)].tolist()
         assert set(hot) == {j % half for j in hot} | {j % half + half for j in hot}
@@ -292,6 +299,51 @@ def test_a_unit_whose_halves_are_not_tied_keeps_neuron_records(tied_pairs_ckpt, 
     ids = torch.tensor(random_windows(1, 10, seed=6))
     want = _decode(Engine.load(ckpt, mode="sparse", context=32, progress=False), ids)[0]
     with tiered_units(ckpt, "30%", "float32", context=32, min_cold_slots=16, io="cached", progress=False) as store:
+        assert not store.records and store.bundles.shape[1] == 3  # a pair record's halves in two bundle slots
         got, stats = _decode(Engine.load(ckpt, mode="sparse", context=32, units=store, progress=False), ids)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert stats["units"]["misses"] > 0
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_arena_of_pair_records_computes_listed_halves_as_the_resident_engine(tied_pairs_ckpt, tmp_path, native):
+    """Decode rows and a prefill of several rows through a neuron store of pair records, by the native kernels and by
+    PyTorch ops: the resident engine's logits; a pair listed with one half computes that half alone (neuron
+    predictors' lists over the records: the kernel and pair_halves_torch agree with the halves' own bundles)."""
+    from sparseforge.runtime.store import tiered_units
+
+    if native and not NATIVE:
+        pytest.skip("no native kernels")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tied_pairs_ckpt[0], ckpt)
+    ids = torch.tensor(random_windows(2, 12, seed=7))
+    resident = Engine.load(ckpt, mode="sparse", context=32, native=native, progress=False)
+    with tiered_units(ckpt, "25%", "float32", context=32, min_cold_slots=16, io="cached", progress=False) as store:
+        engine = Engine.load(ckpt, mode="sparse", context=32, units=store, native=native, progress=False)
+        assert store.records
+        prefill = [e.forward(ids, e.new_cache(2)) for e in (engine, resident)]  # several rows a step
+        torch.testing.assert_close(prefill[0], prefill[1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(_decode(engine, ids[:1])[0], _decode(resident, ids[:1])[0], atol=1e-5, rtol=1e-5)
+        unit = store.units[0]
+        half, S = unit.intermediate // 2, store.slots
+        req = unit.request(torch.tensor([3, half + 3, 5, half + 9]))  # pair 3 whole, pair 5's first half, pair 9's second
+        neurons, slots = req.ready_neurons, req.ready_slots
+        if req.wait()[0].numel():
+            neurons, slots = torch.cat([neurons, req.wait()[0]]), torch.cat([slots, req.wait()[1]])
+        bundles = torch.empty(2 * S, 3, unit.hidden)  # every slot's halves as bundles: the reference
+        bundles[:S, :2], bundles[S:, 0], bundles[S:, 1] = store.bundles[:, :2], store.bundles[:, 0], -store.bundles[:, 1]
+        bundles[:S, 2], bundles[S:, 2] = store.bundles[:, 2], store.bundles[:, 3]
+        x = torch.randn(3, unit.hidden)
+        act = engine.model.activations[0]
+        want = kernels.sparse_mlp_torch(bundles, None, None, slots, x, act)[0]
+        torch.testing.assert_close(kernels.pair_halves_torch(store.bundles, None, None, slots, x, act)[0], want, atol=1e-5, rtol=1e-5)
+        if NATIVE:
+            y, counts = torch.zeros(unit.hidden), torch.zeros(3, dtype=torch.long)
+            kernels.sparse_mlp_native(store.bundles, None, None, slots, x[0].contiguous(), act, y, 1.0, counts, 1)
+            torch.testing.assert_close(y, want[0], atol=1e-5, rtol=1e-5)
+            assert counts[0] == 3  # three pairs' gate rows for four halves
+        req.release()
+    with tiered_units(ckpt, "25%", "float32", context=32, min_cold_slots=16, io="cached", progress=False, pair_slots=False) as store:
+        assert not store.records and store.bundles.shape[1] == 3  # each half in a bundle slot of its own
+        engine = Engine.load(ckpt, mode="sparse", context=32, units=store, native=native, progress=False)
+        torch.testing.assert_close(_decode(engine, ids[:1])[0], _decode(resident, ids[:1])[0], atol=1e-5, rtol=1e-5)

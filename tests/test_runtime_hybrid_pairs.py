@@ -3,6 +3,7 @@ pairs, each from one gate and one up row, so the same device bytes hold 1.5x the
 and the logits stay those of the HF model (exact modes) or of the HF model under the hybrid's mask (sparse)."""
 
 from contextlib import nullcontext
+from dataclasses import replace
 
 import pytest
 import torch
@@ -31,8 +32,11 @@ def test_the_device_plan_holds_whole_tied_pairs_at_two_rows_a_half(tied_pairs_ck
     budget = str(reserve + 10 * 2 * 3 * H * 4)  # ten pairs as bundles of three rows a half
     plan = device_plan(ckpt, budget, "float32", 32)
     assert plan["tied_pairs"] and plan["ranked_by"] == "pair frequency" and plan["bytes_per_neuron"] == 2 * H * 4
-    bundles = make_plan(ckpt, PlanRequest(parse_size(budget), context=32, dtype="float32", predictors=False, head_screen=False))
+    request = PlanRequest(parse_size(budget), context=32, dtype="float32", predictors=False, head_screen=False, tied=False)
+    bundles = make_plan(ckpt, request)
     assert not bundles["tied_pairs"] and bundles["mlp"]["hot_neurons"] == 20 and plan["mlp"]["hot_neurons"] == 30
+    store = make_plan(ckpt, replace(request, tied=None))  # the neuron store's: pair records, with pair predictors
+    assert store["tied_pairs"] and store["mlp"]["hot_neurons"] == 30
     for row in plan["layers"]:
         firsts = {j for j in row["hot"] if j < I // 2}
         assert set(row["hot"]) == firsts | {j + I // 2 for j in firsts}  # whole pairs only
@@ -93,4 +97,4 @@ def test_with_the_disk_tier_the_store_serves_the_pairs_the_device_does_not_hold(
         units = [lw.units[0] for lw in engine.model.weights.layers]
         assert all(u.hot_pairs and u.gate_up.weight.shape[0] == u.hot.numel() for u in units)
         torch.testing.assert_close(_logits(engine, ids), ref, atol=2e-5, rtol=1e-4)
-        assert all((u.inner.slot_of[u.hot.numpy()] == -1).all() for u in units)  # the store never holds the device's
+        assert all(u.inner.records and (u.inner.slot_of[u.hot.numpy() % u.inner.keys] == -1).all() for u in units)  # never the device's pairs

@@ -176,7 +176,7 @@ def test_split_stays_inside_the_budget_and_keeps_the_most_frequent_hot(llama):
             units = [store(i, 0) for i in range(2)]
             s = store.stats()
             assert s["resident_bytes"] <= plan["mlp"]["budget_bytes"]
-            assert s["resident_bytes"] == (s["hot_neurons"] + s["cache_slots"]) * plan["bytes_per_neuron"]
+            assert s["resident_bytes"] == (s["hot_slots"] + s["cache_slots"]) * s["slot_bytes"] == (s["hot_neurons"] + s["cache_slots"]) * plan["bytes_per_neuron"]
             for u, row in zip(units, plan["layers"]):
                 assert u.hot <= row["hot_count"]
                 hot_slots = slice(u.offset, u.offset + u.hot)  # the unit's own range of the shared arena

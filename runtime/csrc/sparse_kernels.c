@@ -834,8 +834,15 @@ enum {
 static int64_t neuron_pairs(const int64_t *ids, int64_t n, int64_t half, uint8_t *mark, int64_t *pairs, uint8_t *want) {
     memset(mark, 0, (size_t)half);
     for (int64_t i = 0; i < n; i++) mark[ids[i] % half] |= (uint8_t)(ids[i] < half ? 1 : 2);
-    int64_t m = 0;
-    for (int64_t j = 0; j < half; j++)
+    int64_t m = 0, j = 0;
+    for (; j + 8 <= half; j += 8) {  /* eight marks a word: a neuron store's arena lists few of its many records */
+        uint64_t w;
+        memcpy(&w, mark + j, 8);
+        if (!w) continue;
+        for (int64_t k = j; k < j + 8; k++)
+            if (mark[k]) pairs[m] = k, want[m++] = mark[k];
+    }
+    for (; j < half; j++)
         if (mark[j]) pairs[m] = j, want[m++] = mark[j];
     return m;
 }
