@@ -110,12 +110,13 @@ class TieredUnit:
         k = ids.size
         if k > self.capacity:
             raise ValueError(f"request for {k} neurons exceeds the unit's capacity {self.capacity}; split it into chunks")
-        s.clock += 1
-        c = self.counts
-        c["requests"] += 1
-        c["neurons"] += k
+        s.clock, c = s.clock + 1, self.counts
+        c["requests"], c["neurons"] = c["requests"] + 1, c["neurons"] + k
         keys = ids % self.keys if self.records else ids
         slots = self.slot_of[keys]
+        if k and slots.min() >= 0 and slots.max() < s.pool_start:  # all hot: never evicted nor loading, nothing to pin
+            c["hot_hits"] += k
+            return Request(neurons, torch.from_numpy(self._named(ids, slots)))
         resident = slots >= 0
         cached = slots >= s.pool_start
         n_cached = int(np.count_nonzero(cached))
@@ -135,9 +136,8 @@ class TieredUnit:
         ready_n, ready_s = torch.from_numpy(ids[ready]), torch.from_numpy(self._named(ids[ready], slots[ready]))
         if not waits:
             return Request(ready_n, ready_s, None, lambda: self._unpin(pinned, []))
-        rest = late | missing
-        rest_n = ids[rest]
-        rest_s = self._named(rest_n, self.slot_of[keys[rest]])  # the missing ones' slots were claimed by _load
+        rest_n = ids[late | missing]
+        rest_s = self._named(rest_n, self.slot_of[keys[late | missing]])  # the missing ones' slots were claimed by _load
         if job:  # queued last: the reader thread's Python then runs while the engine is in a kernel, not contending for the GIL here
             s.submit(job)
         return Request(ready_n, ready_s, lambda: self._wait(waits, rest_n, rest_s), lambda: self._unpin(pinned, waits))
