@@ -12,11 +12,11 @@ scales of its down columns, H float32 values, are in the index), so one position
 of a record (or of a run of adjacent records) is everything computing those neurons needs. A unit of tied halves
 (neuron I/2 + p: neuron p's gate row and minus its up row, exactly as stored) in a checkpoint with pair predictors
 holds one record per pair instead, `[4, H]`: the gate row, the up row, then the two halves' down columns (int8: four
-rows, then four scales), two thirds of its two halves' bytes; `scatter` writes it to a slot of pair records, or either half's bundle from it. Within a unit the
-records are in the order plans rank neurons (runtime/plan.py placement_ranks), highest first: the plan's hot
-neurons are the head of each unit (one sequential read at startup) and the cold ones that fire most often sit next
-to each other. With pair predictors that rank is the pair's, and a pair's two halves are adjacent records: the one
-read of a predicted cold pair.
+rows, then four scales), two thirds of its two halves' bytes; `scatter` writes it to a slot of pair records, or
+either half's bundle from it. Within a unit the records are in the order plans rank neurons (runtime/plan.py
+placement_ranks), highest first: the plan's hot neurons are the head of each unit (one sequential read at startup)
+and the cold ones that fire most often sit next to each other. With pair predictors that rank is the pair's, and a
+pair is one record (in a unit whose halves are not tied, two adjacent ones): the one read of a predicted cold pair.
 
 `CKPT/neurons/bundles-<dtype>.json` is the index: shapes, record size, each unit's offset, file order and
 one CRC32 per record (a record is the unit of reading and of checking), the build id also written in the
