@@ -108,11 +108,11 @@ def fresh_start(report: dict, seq_len: int) -> int:
 
 def calibrate(ckpt: str, target_recall: float | None = None, recall_margin: float | None = None, batch_size: int = 4, device: str = "cpu",
               threads: int | None = None, progress: bool = True, recalls: tuple[float, ...] = DEFAULT_RECALLS,
-              max_ppl_increase: float = DEFAULT_MAX_PPL_INCREASE) -> dict:
+              max_ppl_increase: float = DEFAULT_MAX_PPL_INCREASE, curve_tokens: int | None = None) -> dict:
     """Re-choose the thresholds of trained predictors on the held-out tokens training used (same data, same windows), without
     refitting: for `target_recall`, or, when it is None, at the knee of the recall/cost curve over `recalls` (the fewest
-    predicted-active neurons within `max_ppl_increase` of the exact mask's perplexity on as many fresh tokens, those
-    `evaluate` reads by default; predictors/knee.py).
+    predicted-active neurons within `max_ppl_increase` of the exact mask's perplexity on `curve_tokens` fresh tokens,
+    None: as many as the held-out ones; the first of those `evaluate` reads by default; predictors/knee.py).
     recall_margin: None keeps training's. Updates CKPT/predictors.json (its eval cleared; the curve recorded as "curve")."""
     from sparseforge.checkpoint import write_artifact
     from sparseforge.predictors.calibrate import rates, total_counts
@@ -128,6 +128,8 @@ def calibrate(ckpt: str, target_recall: float | None = None, recall_margin: floa
         else:
             check_recall(target_recall, margin)
 
+    if curve_tokens is not None and curve_tokens <= 0:
+        raise SparseforgeError(f"--curve-tokens {curve_tokens} must be a positive number of tokens, e.g. 16384")
     check(recall_margin or 0.0)  # the options first, then with the margin training used
     predictors = load_predictors(ckpt)
     report = predictors.report
@@ -147,7 +149,7 @@ def calibrate(ckpt: str, target_recall: float | None = None, recall_margin: floa
     if target_recall is None:
         # costs on fresh text, the tokens `predictors eval` reads: on the held-out tokens the thresholds were fitted to,
         # a low recall looks several times cheaper than it is
-        fresh = list(take_tokens(skip_tokens(later, fresh_start(report, report["seq_len"])), held))
+        fresh = list(take_tokens(skip_tokens(later, fresh_start(report, report["seq_len"])), curve_tokens or held))
         exact, points = recall_curve(model, predictors, sets, fresh, recalls, margin, batch_size, progress)
         chosen = knee(points, max_ppl_increase)
         print(format_curve(exact, points, chosen, max_ppl_increase))

@@ -157,7 +157,10 @@ def test_calibrate_knee(tmp_path, text_file, capsys):
     assert loose["curve"]["knee"] == loose["target_recall"] == 0.5  # any cost allowed: the cheapest point
     assert all(len(p["worst_units"]) <= 3 and 0 <= p["fresh"]["predicted_fraction"] <= 1 for p in points)
     assert points[0]["fresh"]["predicted_fraction"] < points[-1]["fresh"]["predicted_fraction"]
-    assert "<- knee" in capsys.readouterr().out
+    assert "<- knee" in capsys.readouterr().out and loose["curve"]["tokens"] == 256  # as many fresh tokens as held-out ones
+    assert main(["predictors", "calibrate", str(ckpt), *recalls, "--max-ppl-increase", "100", "--curve-tokens", "512", "--no-progress"]) == 0
+    longer = json.loads((ckpt / "predictors.json").read_text())["curve"]
+    assert longer["tokens"] == 512 and longer["exact_perplexity"] != loose["curve"]["exact_perplexity"]
 
     assert main(["predictors", "calibrate", str(ckpt), *recalls, "--max-ppl-increase", "0.01", "--no-progress"]) == 0
     tight = json.loads((ckpt / "predictors.json").read_text())
@@ -180,6 +183,7 @@ def test_calibrate_knee(tmp_path, text_file, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--recalls", "0.9,1.2"], "--recalls 1.2 is out of range"),
     (["--max-ppl-increase", "-1"], "--max-ppl-increase must be >= 0"),
+    (["--curve-tokens", "0"], "--curve-tokens 0 must be a positive number of tokens"),
 ])
 def test_calibrate_knee_errors(tmp_path, argv, message, capsys):
     ckpt = _sparse(tmp_path)
