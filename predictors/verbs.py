@@ -128,8 +128,7 @@ def calibrate(ckpt: str, target_recall: float | None = None, recall_margin: floa
         else:
             check_recall(target_recall, margin)
 
-    if curve_tokens is not None and curve_tokens <= 0:
-        raise SparseforgeError(f"--curve-tokens {curve_tokens} must be a positive number of tokens, e.g. 16384")
+    check_positive(curve_tokens=curve_tokens)
     check(recall_margin or 0.0)  # the options first, then with the margin training used
     predictors = load_predictors(ckpt)
     report = predictors.report

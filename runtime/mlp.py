@@ -209,7 +209,7 @@ class SparseMLP:
         """_rows over neurons `ids` at `slots`: yields (y part [N, H], h, rows read), a unit of tied halves in any two
         slots (MLPUnit.pairs) computing the pairs with both halves among ids from one gate and one up product each, and
         one over pair records (a neuron store's arena: `slots` name halves) each listed pair so."""
-        if unit.bundles.dim() == 3 and unit.bundles.shape[1] == 4:
+        if kernels.mlp_kind(unit.bundles)[0] == kernels.MLP_PAIR_HALVES:
             y, h, pairs = kernels.pair_halves_torch(unit.bundles, unit.scales, unit.channels, slots, x, act, None if keep is None else keep[:, ids])
             yield y, h, 2 * pairs + ids.numel()
             return

@@ -81,7 +81,7 @@ class TieredUnit:
         self.slot_of = np.full(self.keys, -1, dtype=np.int64)  # [keys] pair or neuron -> arena slot, -1 not resident
         self.jobs: list[_Job] = []
         self.counts = dict.fromkeys(COUNTERS, 0)
-        keys = self._keys(np.sort(hot.numpy()))  # slots in neuron order: the kernels then walk the hot slots sequentially
+        keys = np.unique(self._key(hot.numpy()))  # slots in neuron order: the kernels then walk the hot slots sequentially
         # a request of k neurons needs min(k, cold keys) free pool slots
         self.capacity = self.intermediate if store.pool_slots >= self.keys - keys.size else store.pool_slots
         if keys.size:  # hot neurons: one read of the head of the unit's records (frequency order)
@@ -91,9 +91,9 @@ class TieredUnit:
             store.neuron_in[slots], store.owner[slots] = keys, index
         self.load_bytes = np.unique(self.position[keys]).size * self.record_bytes
 
-    def _keys(self, neurons: np.ndarray) -> np.ndarray:
-        """The distinct slot keys of `neurons` (ascending): their pairs in an arena of pair records, else the neurons."""
-        return np.unique(neurons % self.keys) if self.records else neurons
+    def _key(self, neurons: np.ndarray) -> np.ndarray:
+        """What holds `neurons` in a slot: their pairs in an arena of pair records, else the neurons themselves."""
+        return neurons % self.keys if self.records else neurons
 
     # ---------------------------------------------------------------- the MLPUnit interface
 
@@ -112,7 +112,7 @@ class TieredUnit:
             raise ValueError(f"request for {k} neurons exceeds the unit's capacity {self.capacity}; split it into chunks")
         s.clock, c = s.clock + 1, self.counts
         c["requests"], c["neurons"] = c["requests"] + 1, c["neurons"] + k
-        keys = ids % self.keys if self.records else ids
+        keys = self._key(ids)
         slots = self.slot_of[keys]
         if k and slots.min() >= 0 and slots.max() < s.pool_start:  # all hot: never evicted nor loading, nothing to pin
             c["hot_hits"] += k
@@ -129,7 +129,7 @@ class TieredUnit:
         late = cached & s.loading[np.maximum(slots, 0)]  # cached, but an earlier request's read is still running
         ready = resident & ~late
         missing = ~resident
-        job = self._load(self._keys(ids[missing])) if missing.any() else None
+        job = self._load(np.unique(keys[missing])) if missing.any() else None
         any_late = bool(late.any())
         waits = [j for j in self.jobs if not j.done.is_set()] if any_late else ([job] if job else [])
         pinned = np.concatenate([held, job.slots]) if job else held
@@ -238,13 +238,13 @@ class NeuronStore:
         self.ckpt, self.plan, self.weight_dtype = Path(ckpt), plan, weight_dtype
         self.file: BundleFile = ensure_bundles(ckpt, weight_dtype, build=build, progress=progress, io=io, verify=verify, merge_gap=merge_gap)
         self.records = pair_slots and all(self.file.pairs(*key) for key in self.file.unit_rows)  # an arena of pair records (module docstring)
-        rows, per_slot = (4, 2) if self.records else (3, 1)  # rows and neurons a slot holds
-        self.per_neuron = self.file.record_bytes(0, 0) // per_slot if self.records else self.file.record  # a slot's bytes per neuron
+        rows, self.per_slot = (4, 2) if self.records else (3, 1)  # rows and neurons a slot holds
+        self.per_neuron = (self.file.record_bytes(0, 0) if self.records else self.file.record) // self.per_slot  # a slot's bytes per neuron
         self.hot, pool = split_slots(plan, self.ckpt, cache_fraction, min_cold_slots, self.per_neuron, self.records)
-        self.pool_slots = pool // per_slot
+        self.pool_slots = pool // self.per_slot
         self.offsets, at = {}, 0  # (layer, expert) -> (unit index, first arena slot of its hot range)
         for index, (key, ids) in enumerate(self.hot.items()):  # the units' hot ranges in key order, then the pool
-            self.offsets[key], at = (index, at), at + int(ids.numel()) // per_slot
+            self.offsets[key], at = (index, at), at + int(ids.numel()) // self.per_slot
         self.pool_start = at
         self.slots = n = at + self.pool_slots
         with torch.inference_mode(False):  # normal tensors: the reader thread writes them outside inference mode
@@ -317,7 +317,7 @@ class NeuronStore:
             "resident_bytes": self.resident_bytes(),
             "mlp_budget_bytes": self.plan["mlp"]["budget_bytes"],
             "hot_neurons": sum(int(h.numel()) for h in self.hot.values()), "hot_slots": self.pool_start,
-            "cache_slots": self.pool_slots, "slot_bytes": self.per_neuron * (2 if self.records else 1),
+            "cache_slots": self.pool_slots, "slot_bytes": self.per_neuron * self.per_slot,
             "load_bytes": sum(u.load_bytes for u in self.loaded()),
             "io": self.file.io, "wait_seconds": self.wait_seconds, "io_seconds": self.io_seconds,
         }

@@ -183,7 +183,7 @@ def test_calibrate_knee(tmp_path, text_file, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--recalls", "0.9,1.2"], "--recalls 1.2 is out of range"),
     (["--max-ppl-increase", "-1"], "--max-ppl-increase must be >= 0"),
-    (["--curve-tokens", "0"], "--curve-tokens 0 must be a positive number of tokens"),
+    (["--curve-tokens", "0"], "--curve-tokens must be positive, got 0"),
 ])
 def test_calibrate_knee_errors(tmp_path, argv, message, capsys):
     ckpt = _sparse(tmp_path)

@@ -198,6 +198,13 @@ static SF_INLINE void axpy(float a, const void *w, float *y, int64_t n, int dtyp
     for (; i < n; i++) y[i] += a * load1(w, i, dtype);
 }
 
+#if SF_AVX2
+/* the byte `off` of each of the four rows the caller reads next, on its way to the cache (dot4, axpy4, dot4_q8) */
+static SF_INLINE void prefetch4(const char *const *next, int64_t off) {
+    for (int k = 0; k < 4; k++) _mm_prefetch(next[k] + off, SF_PREFETCH_HINT);
+}
+#endif
+
 /* out[0..3] = dot(w_j, x) for four rows w_j, j < 4: four independent streams hide memory latency better
  * than one, and x is loaded once for all four. next: the four rows the caller reads after these (or NULL);
  * they are prefetched a cache line per row for every cache line read here, so the next block is on its way
@@ -213,12 +220,7 @@ static SF_INLINE void dot4(const void *w0, const void *w1, const void *w2, const
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
         __m256 xv = _mm256_loadu_ps(x + i);
-        if (SF_PREFETCH && next && (i & (line - 1)) == 0) {
-            _mm_prefetch(next[0] + i * es, SF_PREFETCH_HINT);
-            _mm_prefetch(next[1] + i * es, SF_PREFETCH_HINT);
-            _mm_prefetch(next[2] + i * es, SF_PREFETCH_HINT);
-            _mm_prefetch(next[3] + i * es, SF_PREFETCH_HINT);
-        }
+        if (SF_PREFETCH && next && (i & (line - 1)) == 0) prefetch4(next, i * es);
         a0 = _mm256_fmadd_ps(load8(w0, i, dtype), xv, a0);
         a1 = _mm256_fmadd_ps(load8(w1, i, dtype), xv, a1);
         a2 = _mm256_fmadd_ps(load8(w2, i, dtype), xv, a2);
@@ -246,12 +248,7 @@ static SF_INLINE void axpy4(const float *a, const void *w0, const void *w1, cons
     const int64_t es = ELEM_SIZE[dtype], line = 64 / es;
     __m256 v0 = _mm256_set1_ps(a[0]), v1 = _mm256_set1_ps(a[1]), v2 = _mm256_set1_ps(a[2]), v3 = _mm256_set1_ps(a[3]);
     for (; i + 8 <= n; i += 8) {
-        if (SF_PREFETCH && next && (i & (line - 1)) == 0) {
-            _mm_prefetch(next[0] + i * es, SF_PREFETCH_HINT);
-            _mm_prefetch(next[1] + i * es, SF_PREFETCH_HINT);
-            _mm_prefetch(next[2] + i * es, SF_PREFETCH_HINT);
-            _mm_prefetch(next[3] + i * es, SF_PREFETCH_HINT);
-        }
+        if (SF_PREFETCH && next && (i & (line - 1)) == 0) prefetch4(next, i * es);
         __m256 acc = _mm256_fmadd_ps(v0, load8(w0, i, dtype), _mm256_loadu_ps(y + i));
         acc = _mm256_fmadd_ps(v1, load8(w1, i, dtype), acc);
         acc = _mm256_fmadd_ps(v2, load8(w2, i, dtype), acc);
@@ -363,12 +360,7 @@ static SF_INLINE void dot4_q8(const int8_t *w0, const int8_t *w1, const int8_t *
 #if SF_AVX512
     __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps(), b2 = _mm512_setzero_ps(), b3 = _mm512_setzero_ps();
     for (; i + 2 * QK <= n; i += 2 * QK) {
-        if (SF_PREFETCH && next) {
-            _mm_prefetch(next[0] + i, SF_PREFETCH_HINT);
-            _mm_prefetch(next[1] + i, SF_PREFETCH_HINT);
-            _mm_prefetch(next[2] + i, SF_PREFETCH_HINT);
-            _mm_prefetch(next[3] + i, SF_PREFETCH_HINT);
-        }
+        if (SF_PREFETCH && next) prefetch4(next, i);
         q8x64 xv = q8_load64(q, d, i);
         b0 = q8_pair(xv, w0 + i, b0), b1 = q8_pair(xv, w1 + i, b1), b2 = q8_pair(xv, w2 + i, b2), b3 = q8_pair(xv, w3 + i, b3);
     }
@@ -377,12 +369,7 @@ static SF_INLINE void dot4_q8(const int8_t *w0, const int8_t *w1, const int8_t *
 #if SF_AVX2
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     for (; i + QK <= n; i += QK) {
-        if (SF_PREFETCH && next && (i & 63) == 0) {
-            _mm_prefetch(next[0] + i, SF_PREFETCH_HINT);
-            _mm_prefetch(next[1] + i, SF_PREFETCH_HINT);
-            _mm_prefetch(next[2] + i, SF_PREFETCH_HINT);
-            _mm_prefetch(next[3] + i, SF_PREFETCH_HINT);
-        }
+        if (SF_PREFETCH && next && (i & 63) == 0) prefetch4(next, i);
         __m256i qv = _mm256_loadu_si256((const __m256i *)(q + i)), aq = _mm256_sign_epi8(qv, qv);
         __m256 dv = _mm256_broadcast_ss(d + i / QK);
         a0 = q8_block(aq, qv, w0 + i, dv, a0);
