@@ -4,7 +4,7 @@ perplexity and accuracy, on fresh text, beside the exact mask; and the knee `pre
 Works on a scratch view of the checkpoint (common.py checkpoint_view: its JSON files copied, every other file
 linked), so the checkpoint itself is never modified. One `predictors calibrate` without a target gives the whole curve: per recall target
 R, thresholds from the held-out tokens, then recall, predicted-active fraction and perplexity vs the exact mask
-on fresh text (as many tokens as the held-out set, those `predictors eval` reads), and the knee. With --tasks,
+on fresh text (as many tokens as the held-out set, those `predictors eval` reads, or --curve-tokens), and the knee. With --tasks,
 each point's thresholds are set again (`--target-recall R`) and lm-eval runs through the sparse runtime with
 those masks; the exact-mask accuracy is scored once.
 
@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     p.add_argument("--ckpt", required=True, help="a sparse checkpoint with trained predictors")
     p.add_argument("--recalls", default=",".join(map(str, DEFAULT_RECALLS)), help="recall targets, comma-separated")
     p.add_argument("--max-ppl-increase", type=float, default=DEFAULT_MAX_PPL_INCREASE, help="the knee's perplexity tolerance (0.02 = 2%%)")
+    p.add_argument("--curve-tokens", type=int, default=None, help="fresh tokens of the curve (default: as many as the held-out set)")
     p.add_argument("--tasks", default=None, help="lm-eval tasks scored through the sparse runtime at every target (none: perplexity only)")
     p.add_argument("--limit", type=int, default=100, help="documents per task")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -50,7 +51,8 @@ def main(argv=None) -> int:
     view = checkpoint_view(ckpt, Path(args.work) / results_path(args.out).name)
     recalls = tuple(sorted(float(r) for r in args.recalls.split(",")))
     tasks = args.tasks.split(",") if args.tasks else []
-    curve = calibrate(str(view), None, recalls=recalls, max_ppl_increase=args.max_ppl_increase, threads=args.threads, progress=False)["curve"]
+    curve = calibrate(str(view), None, recalls=recalls, max_ppl_increase=args.max_ppl_increase, threads=args.threads, progress=False,
+                      curve_tokens=args.curve_tokens)["curve"]  # fmt: skip
     rows = [{"target_recall": pt["target_recall"], "recall": pt["fresh"]["recall"], "predicted": pt["fresh"]["predicted_fraction"],
              "true": pt["fresh"]["true_fraction"], "ppl_increase": pt["ppl_increase"], "perplexity": pt["perplexity"],
              "worst_layers": " ".join(f"{u['layer']}:{u['recall']:.3f}" for u in pt["worst_units"]),

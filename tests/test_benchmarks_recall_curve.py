@@ -27,4 +27,7 @@ def test_recall_curve(tmp_path, one_thread):
     assert all(0 <= r["accuracy"]["mean"] <= 1 for r in rows) and 0 <= out["exact_accuracy"]["mean"] <= 1
     assert sum(r["knee"] == "knee" for r in rows) == 1 and out["knee"]["knee"] in (0.5, 0.99)
     assert (ckpt / "predictors.json").read_text() == before and not (ckpt / "eval.json").exists()  # the checkpoint is untouched
-    assert "| recall target |" in (results / "curve.md").read_text()
+    assert "| recall target |" in (results / "curve.md").read_text() and out["knee"]["tokens"] == 256
+    assert load_script("recall_curve").main(["--ckpt", str(ckpt), "--recalls", "0.99,0.5", "--curve-tokens", "512", "--threads", "1",
+                                             "--out", str(results / "long"), "--work", str(tmp_path / "work")]) == 0  # fmt: skip
+    assert json.loads((results / "long.json").read_text())["knee"]["tokens"] == 512 and "on 512 fresh tokens" in (results / "long.md").read_text()
