@@ -11,7 +11,9 @@ bytes for weights (the plan's budget minus its KV-cache reserve) as `max_memory=
 `device_map="auto"` and an `offload_folder`; accelerate puts the rest on disk. Per run: decode tok/s, neuron hit
 rate (hot + cache hits / neurons requested) and bytes read from the bundle file per decode token. On a checkpoint of
 tied halves with pair predictors the store holds a pair record a slot; `--bundle-slots` adds, at each budget's bytes,
-a store holding each half in a bundle slot of its own (three rows a half instead of two).
+a store holding each half in a bundle slot of its own (three rows a half instead of two). `--modes sparse screen` runs
+each mode's engines (resident and at every budget, under plans made for that mode): the screen's plans reserve its
+int8 gate rows instead of the predictors, and it requests only the neurons it cannot prove zero.
 """
 
 import argparse
@@ -33,17 +35,17 @@ from decode import HFGenerate  # noqa: E402
 class Tiered:
     """The sparse engine over a neuron store for one plan (None: fully resident, no store)."""
 
-    def __init__(self, ckpt, plan, context, threads, dtype, predictor_dtype=None, pair_slots=True):
+    def __init__(self, ckpt, plan, context, threads, dtype, predictor_dtype=None, pair_slots=True, mode="sparse"):
         from sparseforge.runtime.engine import Engine
         from sparseforge.runtime.store import tiered_units
 
-        self.plan = plan
+        self.plan, self.mode = plan, mode
         self.store = None if plan is None else tiered_units(ckpt, plan, dtype, context=context, progress=False, pair_slots=pair_slots)
-        self.engine = Engine.load(ckpt, mode="sparse", weight_dtype=dtype, context=context, threads=threads, units=self.store, progress=False,
+        self.engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=context, threads=threads, units=self.store, progress=False,
                                   predictor_dtype=predictor_dtype)  # fmt: skip
         budget = plan["fast_memory"] if plan else None  # the plan's --fast-memory text, e.g. "25%"
         where = "resident" if budget is None else f"{budget} MLP resident" + ("" if pair_slots else ", a half a bundle slot")
-        self.name = f"sparseforge sparse {dtype}{f' ({predictor_dtype} predictors)' if predictor_dtype else ''}, {where}"
+        self.name = f"sparseforge {mode} {dtype}{f' ({predictor_dtype} predictors)' if predictor_dtype else ''}, {where}"
         self.budget = budget
         self.resident = self.store.stats()["resident_bytes"] if self.store else None
 
@@ -54,6 +56,7 @@ class Tiered:
     def run(self, ids, n):
         from sparseforge.runtime.engine import GenerationConfig
 
+        self.engine.reset_stats()
         tokens = self.engine.generate(ids, GenerationConfig(max_new_tokens=n, stop_ids=()))
         start = time.perf_counter()
         next(tokens)
@@ -61,7 +64,7 @@ class Tiered:
         before = self._counts() if self.store else None
         rest = sum(1 for _ in tokens)
         end = time.perf_counter()
-        out = {"prefill_s": first - start, "decode_tps": rest / (end - first)}
+        out = {"prefill_s": first - start, "decode_tps": rest / (end - first), "computed": self.engine.stats()["decode_neurons_computed_fraction"]}
         if self.store:
             after = self._counts()
             hits, neurons, read, records, io, reads = (a - b for a, b in zip(after, before))
@@ -139,6 +142,9 @@ def main() -> None:
     p.add_argument("--predictor-dtype", choices=list(WEIGHT_DTYPES), default=None,
                    help="dtype of the engines' predictors, and of the plans' reserve for them (default: --dtype)")
     p.add_argument("--context", type=int, default=2048, help="context the plans reserve KV cache for")
+    p.add_argument("--modes", nargs="+", choices=("sparse", "screen"), default=["sparse"],
+                   help="engine modes: sparse (the predictors choose the neurons; plans reserve them) and screen (the exact screen; "
+                   "plans reserve the MLP screens instead), each resident and at every budget")
     p.add_argument("--bundle-slots", action="store_true",
                    help="also run each budget's store with every half of a pair record in a bundle slot of its own, under a plan counting three rows a half")
     p.add_argument("--reps", type=int, default=3, help="repetitions (engines alternate inside each)")
@@ -146,13 +152,14 @@ def main() -> None:
     args = p.parse_args()
     env, bandwidth = setup(args.threads)
     ckpt = Path(args.ckpt)
-    plans = {b: make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype=args.dtype, predictor_dtype=args.predictor_dtype))
-             for b in args.budgets}  # fmt: skip
-    contestants = [Tiered(ckpt, p, args.context, args.threads, args.dtype, args.predictor_dtype) for p in [None, *(plans[b] for b in args.budgets)]]
-    for b in args.budgets if args.bundle_slots else ():  # the same bytes, each half in a bundle slot
-        size = parse_size(str(plans[b]["budget_bytes"]))
-        plan = {**make_plan(ckpt, PlanRequest(size, context=args.context, dtype=args.dtype, predictor_dtype=args.predictor_dtype, tied=False)), "fast_memory": b}
-        contestants.append(Tiered(ckpt, plan, args.context, args.threads, args.dtype, args.predictor_dtype, pair_slots=False))
+    contestants = []
+    for mode in args.modes:
+        request = {"context": args.context, "dtype": args.dtype, "predictor_dtype": args.predictor_dtype, "mode": mode}
+        plans = {b: make_plan(ckpt, PlanRequest(parse_size(b), **request)) for b in args.budgets}
+        contestants += [Tiered(ckpt, p, args.context, args.threads, args.dtype, args.predictor_dtype, mode=mode) for p in [None, *plans.values()]]
+        for b in args.budgets if args.bundle_slots else ():  # the same bytes, each half in a bundle slot
+            plan = {**make_plan(ckpt, PlanRequest(parse_size(str(plans[b]["budget_bytes"])), **request, tied=False)), "fast_memory": b}
+            contestants.append(Tiered(ckpt, plan, args.context, args.threads, args.dtype, args.predictor_dtype, pair_slots=False, mode=mode))
     for b in args.hf_budgets:
         contestants.append(Offload(ckpt, make_plan(ckpt, PlanRequest(parse_size(b), context=args.context, dtype="float32"))))
     from transformers import AutoTokenizer
@@ -175,7 +182,8 @@ def main() -> None:
                "prefill_tps": args.prompt_tokens / median([x["prefill_s"] for x in r]),
                "hit_rate": median([x.get("hit_rate") for x in r]), "bytes_read_per_token": median([x.get("bytes_read_per_token") for x in r]),
                "budget_bytes": c.plan["budget_bytes"] if c.plan else None, "resident_mlp_bytes": getattr(c, "resident", None),
-               "expected_hit_rate": c.plan["expected_hit_rate"] if c.plan else None, "decode_all": [x["decode_tps"] for x in r]}  # fmt: skip
+               "expected_hit_rate": c.plan["expected_hit_rate"] if c.plan else None, "decode_all": [x["decode_tps"] for x in r],
+               "mode": getattr(c, "mode", None), "neurons_computed": median([x.get("computed") for x in r])}  # fmt: skip
         row["mb_read_per_token"] = row["bytes_read_per_token"] / 1e6 if row["bytes_read_per_token"] is not None else None
         if isinstance(c, Tiered) and c.store:
             row["record_mb_per_token"] = median([x["record_bytes_per_token"] for x in r]) / 1e6
@@ -183,8 +191,9 @@ def main() -> None:
             row["reads_per_token"] = median([x["reads_per_token"] for x in r])
             row["read_gbs"] = row["bytes_read_per_token"] / row["io_s_per_token"] / 1e9 if row["io_s_per_token"] else None
         rows.append(row)
-    resident = rows[0]["decode_tps"]
+    residents = {row["mode"]: row["decode_tps"] for row in rows if row["budget"] is None and row["mode"]}  # each mode's resident engine
     for row in rows:
+        resident = residents.get(row["mode"], rows[0]["decode_tps"])  # HF offload: against the first mode's
         row["vs_resident"] = row["decode_tps"] / resident
         if row.get("record_mb_per_token") is not None and device_gbs:  # the missed records at the device's best speed,
             io_s = row["record_mb_per_token"] / 1e3 / device_gbs  # fully overlapped with the resident engine's compute
@@ -195,7 +204,7 @@ def main() -> None:
         c.close()
     data = {"command": "python " + " ".join(sys.argv), "dtype": args.dtype, "predictor_dtype": args.predictor_dtype, "environment": env, "bandwidth": bandwidth, "disk_read_gbs": disk, "rows": rows,
             "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "hf_new_tokens": args.hf_new_tokens, "reps": args.reps}  # fmt: skip
-    cols = [("engine", "engine", ""), ("budget_bytes", "budget bytes", ","), ("decode_tps", "decode tok/s", ".2f"), ("vs_resident", "÷ resident", ".2f"),
+    cols = [("engine", "engine", ""), ("budget_bytes", "budget bytes", ","), ("decode_tps", "decode tok/s", ".2f"), ("vs_resident", "÷ resident", ".2f"), ("neurons_computed", "neurons computed", ".3f"),
             ("vs_hf_offload", "÷ HF offload", ".1f"), ("hit_rate", "hit rate", ".3f"), ("expected_hit_rate", "plan's expected hit rate", ".3f"),
             ("mb_read_per_token", "MB read / token", ".2f"), ("record_mb_per_token", "MB of missed records / token", ".2f"), ("reads_per_token", "reads / token", ".1f"),
             ("read_gbs", "reader GB/s", ".2f"), ("ceiling_tps", "ceiling tok/s", ".2f"), ("prefill_tps", "prefill tok/s", ".1f")]  # fmt: skip

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from sparseforge.cli_options import HelpFormatter, check_positive
 from sparseforge.errors import SparseforgeError
-from sparseforge.runtime.sizes import DTYPES, KV_DTYPE_CHOICES
+from sparseforge.runtime.sizes import DTYPES, KV_DTYPE_CHOICES, PLAN_MODES
 
 if TYPE_CHECKING:
     from sparseforge.runtime.sampling import GenerationConfig
@@ -23,7 +23,7 @@ def register_plan(subparsers) -> None:
         "plan",
         help="choose the hot (resident) MLP neurons for a fast-memory budget from the activation profile",
         description="From CKPT/profile.safetensors and a fast-memory budget, reserve what every token touches (attention, "
-        "embeddings + lm_head, norms, MoE routers, predictors, the lm_head's int8 screen, KV cache for --context) and fill the rest with the most "
+        "embeddings + lm_head, norms, MoE routers, the predictors or the MLP screens (--mode), the lm_head's int8 screen, KV cache for --context) and fill the rest with the most "
         "frequently firing neuron bundles (gate row + up row + down column), per layer (per expert for MoE), which "
         "maximises the expected resident hits. Writes CKPT/plan.json (or --out); optionally PowerInfer's GPU index.",
         formatter_class=HelpFormatter,
@@ -39,6 +39,10 @@ def register_plan(subparsers) -> None:
                    help="weight dtype in fast memory (int8: int8 weights with float32 row scales); default: as stored")  # fmt: skip
     p.add_argument("--predictor-dtype", choices=DTYPES, default=None,
                    help="dtype of the predictors the engine will run (generate --predictor-dtype); default: --dtype, as the engine's default")  # fmt: skip
+    p.add_argument("--mode", choices=PLAN_MODES, default="auto",
+                   help="the engine mode the plan is for: sparse reserves the predictors; screen reserves the MLP screens instead (int8 "
+                   "copies of the gate rows, which list exactly the neurons that can fire); auto: screen where it applies (a "
+                   "ReLU-family MLP, a float --dtype, no --predictor-dtype), else sparse, as generate --fast-memory's auto mode")  # fmt: skip
     p.add_argument("--full-head", action="store_true",
                    help="reserve no memory for the lm_head's int8 screen (for engines run with --full-head); the screen takes one "
                    "byte per head weight and is reserved by default for float dtypes")  # fmt: skip
@@ -54,7 +58,7 @@ def plan_command(args) -> int:
     from sparseforge.runtime.sizes import parse_size
 
     request = PlanRequest(parse_size(args.fast_memory), context=args.context, dtype=args.dtype, predictor_dtype=args.predictor_dtype,
-                          head_screen=not args.full_head, kv_dtype=args.kv_dtype)  # fmt: skip
+                          head_screen=not args.full_head, kv_dtype=args.kv_dtype, mode=args.mode)  # fmt: skip
     artifact_name(args.out)  # a bad --out fails before any work
     plan = make_plan(args.ckpt, request)
     if not args.quiet:
@@ -71,8 +75,8 @@ def plan_command(args) -> int:
 def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", help="a sparse checkpoint (sparse mode needs its predictors: sparseforge predictors train)")
     p.add_argument("--mode", choices=("auto", "sparse", "dense", "oracle", "screen"), default="auto",
-                   help="auto: screen where it applies (a ReLU-family MLP, float weights; not with --fast-memory, --device or "
-                   "--predictor-dtype), oracle for int8 weights of tied neuron halves, else sparse; "
+                   help="auto: screen where it applies (a ReLU-family MLP, float weights; not with --device or --predictor-dtype), "
+                   "oracle for int8 weights of tied neuron halves (not with --fast-memory), else sparse; "
                    "sparse: compute the neurons the predictors select; dense: every neuron (the baseline); oracle: the exact "
                    "firing mask (computes the gate/up rows to find it, a pair at a time for tied halves); screen: the exact mask without a "
                    "predictor, an int8 copy of the gate/up rows proving most silent neurons zero (float weights; runtime/screen.py)")  # fmt: skip

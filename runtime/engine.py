@@ -146,7 +146,7 @@ def open_engine(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float
                 fast_memory: str | None = None, predictor_dtype: str | None = None, head_screen: bool | None = None,
                 progress: bool = True, device: str | None = None, device_memory: str | None = None, kv_dtype: str = "float32") -> Iterator[Engine]:
     """Engine.load, and with `fast_memory` (a size as `sparseforge plan` takes: "300MB", "25%") its MLP units tiered
-    over disk (runtime/store.py) for a placement plan made now for that budget; the store's reader thread is
+    over disk (runtime/store.py) for a placement plan made now for that budget and mode; the store's reader thread is
     stopped on exit. device, device_memory: the hybrid tier, as Engine.load; with fast_memory too, the CPU's share of
     the neurons is the one tiered over disk, within fast_memory."""
     with contextlib.ExitStack() as stack:
@@ -159,7 +159,8 @@ def open_engine(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float
                 from sparseforge.runtime.hybrid import cpu_plan
 
                 plan = cpu_plan(ckpt, fast_memory, device_memory, weight_dtype, context, predictor_dtype, kv_dtype)
+            plan_mode = mode if mode in ("auto", "screen") and device is None else "sparse"  # the screen's plan reserves the MLP screens
             units = stack.enter_context(tiered_units(ckpt, plan, weight_dtype, context=context, predictor_dtype=predictor_dtype, kv_dtype=kv_dtype,
-                                                     head_screen=head_screen is not False and device is None, progress=progress))  # fmt: skip
+                                                     head_screen=head_screen is not False and device is None, mode=plan_mode, progress=progress))  # fmt: skip
         yield Engine.load(ckpt, mode=mode, weight_dtype=weight_dtype, context=context, threads=threads, units=units, progress=progress,
                           predictor_dtype=predictor_dtype, head_screen=head_screen, device=device, device_memory=device_memory, kv_dtype=kv_dtype)  # fmt: skip

@@ -13,8 +13,9 @@ MLP modes:
   bound, the rest are computed as in "oracle" (equals it up to float rounding; runtime/screen.py).
 
 "auto" is resolved at load (`auto_mode`): "screen" where it applies (every MLP's activation has a gate sign to
-screen, float weights, every neuron resident on the CPU, no predictor dtype asked for); with int8 weights, "oracle"
-for tied neuron halves under the same conditions; else "sparse". The screen is exact and needs no
+screen, float weights, no device tier, no predictor dtype asked for; under a neuron store's placement plan, when the
+plan reserved the MLP screens); with int8 weights, "oracle" for tied neuron halves under the same conditions with
+every neuron resident; else "sparse". The screen is exact and needs no
 predictors; where both were timed it decoded at 0.95-1.25x the predictors' speed (docs/runtime.md, "Modes").
 """
 
@@ -29,7 +30,7 @@ from sparseforge.files import damaged, read_json
 from sparseforge.runtime import kernels
 from sparseforge.runtime.forward import AttentionShape, attention_shape, rope_tables
 from sparseforge.runtime.head import FLOAT_DTYPES, HeadScreen, screen_bytes
-from sparseforge.runtime.screen import SCREENED, load_screens, screens_nbytes
+from sparseforge.runtime.screen import SCREENED, load_screens, screen_applies, screens_nbytes
 from sparseforge.runtime.sizes import check_kv_dtype
 from sparseforge.runtime.weights import ModelWeights, WeightReader, load_unit_predictors, load_weights, predictors_nbytes
 from sparseforge.sparsify.hf_code.modeling_sparseforge import GatedActivation
@@ -121,9 +122,11 @@ def load_model(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float3
         torch.set_num_threads(threads)
     threads = threads or torch.get_num_threads()
     config = _load_config(ckpt)
+    plan = getattr(units, "plan", None)  # a neuron store's placement plan: its reserve must hold the predictors or screens and the head screen
     if mode == AUTO:
-        mode = auto_mode(config, weight_dtype, tiered=units is not None or device is not None or device_memory is not None,
-                         predictors=predictor_dtype is not None)
+        mode = auto_mode(config, weight_dtype, device=device is not None or device_memory is not None, predictors=predictor_dtype is not None,
+                         plan=plan)  # fmt: skip
+    _check_plan_mode(plan, mode)
     tier = None
     if device is not None or device_memory is not None:
         from sparseforge.runtime.hybrid import DeviceTier, SplitUnits, device_plan, resolve_device
@@ -136,7 +139,6 @@ def load_model(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float3
             raise SparseforgeError("head_screen=True: a hybrid engine computes the lm_head on its device, without the CPU's int8 screen; load with head_screen=None")
         tier = DeviceTier(resolve_device(device or "cpu"), device_plan(ckpt, device_memory or "100%", weight_dtype, context, kv_dtype))
         head_screen = False
-    plan = getattr(units, "plan", None)  # a neuron store's placement plan: its reserve must hold the predictors and head screen
     predictors = _load_predictors(ckpt, config, predictor_dtype or weight_dtype, plan) if mode == "sparse" else None
     reader = WeightReader(ckpt, weight_dtype)
     available = kernels.native() is not None
@@ -158,21 +160,35 @@ def load_model(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float3
     if mode == "screen":
         with torch.inference_mode():
             model.screens = load_screens(reader, model)
+        if plan is not None and screens_nbytes(model.screens) > plan["always_touched"].get("mlp_screens", 0):
+            raise SparseforgeError(f"the plan for {plan['fast_memory']} reserves {plan['always_touched'].get('mlp_screens', 0)} B for the MLP screens, "
+                                   f"they take {screens_nbytes(model.screens)} B; make the plan again: sparseforge plan {ckpt} --fast-memory "
+                                   f"{plan['fast_memory']} --mode screen")  # fmt: skip
     return model
 
 
-def auto_mode(config, weight_dtype: str, tiered: bool = False, predictors: bool = False) -> str:
+def auto_mode(config, weight_dtype: str, device: bool = False, predictors: bool = False, plan: dict | None = None) -> str:
     """The mode "auto" runs for a checkpoint's config: "screen" when every MLP's activation is one a gate bound
-    proves zero (runtime/screen.py SCREENED), the weights are float, nothing is tiered (no neuron store, no device
-    tier: their placement plans hold predictors, not screens) and no predictor dtype was asked for (predictors);
-    with int8 weights under the same conditions, "oracle" for tied neuron halves (computed a pair at a time, exact);
-    else "sparse"."""
+    proves zero and the weights are float (runtime/screen.py screen_applies), there is no device tier (its plans hold
+    predictors) and no predictor dtype was asked for (predictors); under a neuron store's placement plan, the mode the
+    plan was made for (runtime/plan.py: "screen" reserved the MLP screens); with int8 weights and every neuron
+    resident, "oracle" for tied neuron halves (computed a pair at a time, exact); else "sparse"."""
     sparsity = config.sparsity or {}
-    if sparsity.get("activation") not in SCREENED or tiered or predictors:
+    if sparsity.get("activation") not in SCREENED or device or predictors:
         return "sparse"
-    if weight_dtype != "int8":
+    if plan is not None:
+        return plan.get("mode", "sparse")
+    if screen_applies(sparsity.get("activation"), weight_dtype):
         return "screen"
     return "oracle" if sparsity.get("tied_halves") else "sparse"
+
+
+def _check_plan_mode(plan: dict | None, mode: str) -> None:
+    """A neuron store's plan reserves the predictors (sparse) or the MLP screens (screen): the engine's mode must be its."""
+    planned = (plan or {}).get("mode", "sparse")
+    if plan is not None and mode in ("sparse", "screen") and mode != planned:
+        raise SparseforgeError(f"the placement plan for {plan['fast_memory']} was made for the {planned} mode, the engine runs {mode}; load "
+                               f"with mode {planned!r} or 'auto', or make the plan with --mode {mode}")  # fmt: skip
 
 
 def _load_config(ckpt: Path):

@@ -7,15 +7,15 @@ compute it: gate row `gate_proj.weight[j, :]`, up row `up_proj.weight[j, :]` and
 profile (`profile.safetensors`, written by `sparseforge profile`).
 
 Fast memory first holds what every token touches (runtime/sizes.py: attention, embeddings + lm_head, norms, MoE
-routers, predictors, the lm_head's int8 screen, KV cache for the context length); what is left holds hot neuron
-bundles. The plan maximises the expected number of resident hits per token, i.e. the summed frequency of the hot
-neurons, subject to `sum(hot bundle bytes) <= MLP budget`. Every bundle of a model costs the same (one hidden size,
-one dtype), so the best plan holds `floor(budget / bundle bytes)` neurons, and the globally most frequent ones are
-optimal (exchange argument: swapping a chosen neuron for a more frequent unchosen one keeps the cost and does not
-lower the value). That is `hot_counts`. Tied halves held as whole pairs (`tied_pairs`: a hybrid engine's device on a
-checkpoint of tied halves, and the neuron store on one with pair predictors, whose bundle file holds pair records)
-take one gate row, one up row and two down columns a pair (two rows a half, not three), ranked by pair: the same
-argument over pairs.
+routers, the predictors or, for the screen mode, the MLP screens, the lm_head's int8 screen, KV cache for the context
+length); what is left holds hot neuron bundles. The plan maximises the expected number of resident hits per token,
+i.e. the summed frequency of the hot neurons, subject to `sum(hot bundle bytes) <= MLP budget`. Every bundle of a
+model costs the same (one hidden size, one dtype), so the best plan holds `floor(budget / bundle bytes)` neurons, and
+the globally most frequent ones are optimal (exchange argument: swapping a chosen neuron for a more frequent
+unchosen one keeps the cost and does not lower the value). That is `hot_counts`. Tied halves held as whole pairs
+(`tied_pairs`: a hybrid engine's device on a checkpoint of tied halves, and the neuron store on one with pair
+predictors, whose bundle file holds pair records) take one gate row, one up row and two down columns a pair (two rows
+a half, not three), ranked by pair: the same argument over pairs.
 """
 
 import math
@@ -27,6 +27,7 @@ import torch
 from sparseforge.errors import SparseforgeError
 from sparseforge.runtime.sizes import (
     DTYPES,
+    PLAN_MODES,
     FastMemory,
     human_bytes,
     model_shape,
@@ -93,6 +94,8 @@ class PlanRequest:
     predictor_dtype: str | None = None  # None: `dtype`, as the engine converts its predictors by default
     head_screen: bool = True  # reserve the lm_head's int8 screen (float dtypes), which engines build by default
     predictors: bool = True  # reserve the predictors (a hybrid engine's device plan: False, they run on the CPU)
+    mode: str = "sparse"  # the engine mode the plan is for: "sparse" reserves the predictors, "screen" the MLP screens instead
+    # (runtime/screen.py); "auto": screen where it applies (a ReLU-family MLP, a float dtype, no predictor dtype asked for)
     kv_dtype: str = "float32"  # the engine's KV cache dtype (Engine.load kv_dtype)
     tied: bool | None = None  # hot neurons held as whole tied pairs, two rows a half (a hybrid engine's device: its checkpoint's
     # tied_halves); None: as the neuron store holds them, pair records with pair predictors (runtime/bundles.py)
@@ -100,6 +103,21 @@ class PlanRequest:
 
 def _rate(hit: int, total: int) -> float | None:
     return hit / total if total else None
+
+
+def plan_mode(request: PlanRequest, shape, dtype: str) -> str:
+    """The engine mode a plan is made for: request.mode, "auto" resolved as the engines resolve it under a plan."""
+    from sparseforge.runtime.screen import screen_applies
+
+    if request.mode not in PLAN_MODES:
+        raise SparseforgeError(f"--mode {request.mode!r} is not a plan's mode; use one of {', '.join(PLAN_MODES)}")
+    applies = screen_applies(shape.activation, dtype)
+    if request.mode == "screen" and not applies:
+        raise SparseforgeError(f"--mode screen needs a ReLU-family MLP and float weights, this plan is for a {shape.activation} MLP in "
+                               f"{dtype}; use --mode sparse (the predictors)")  # fmt: skip
+    if request.mode == "auto":
+        return "screen" if applies and request.predictor_dtype is None else "sparse"
+    return request.mode
 
 
 def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[int]] | None = None) -> dict:
@@ -116,6 +134,7 @@ def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[in
     for flag, value in (("--dtype", dtype), ("--predictor-dtype", predictor_dtype)):
         if value not in DTYPES:
             raise SparseforgeError(f"{flag} {value!r} is not supported; use one of {', '.join(DTYPES)}")
+    mode = plan_mode(request, shape, dtype)
     tensors, report = load_profile(ckpt)
     counts = tensors["counts"]  # [L, E, I]
     if tuple(counts.shape) != (shape.layers, shape.experts, shape.intermediate):
@@ -123,8 +142,9 @@ def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[in
             f"profile counts have shape {tuple(counts.shape)}, the model is [L, E, I] = "
             f"{(shape.layers, shape.experts, shape.intermediate)}; re-run sparseforge profile on this checkpoint"
         )
-    reserve = reserve_bytes(ckpt, shape, headers, dtype, request.context, predictor_dtype if request.predictors else None, request.head_screen,
-                            request.kv_dtype)
+    predictors = request.predictors and mode == "sparse"
+    reserve = reserve_bytes(ckpt, shape, headers, dtype, request.context, predictor_dtype if predictors else None, request.head_screen,
+                            request.kv_dtype, mlp_screens=mode == "screen")
     tied = pair_predictors(ckpt) if request.tied is None else request.tied
     per_neuron = neuron_bytes(shape.hidden, dtype, tied)
     neurons = shape.layers * shape.experts * shape.intermediate
@@ -171,7 +191,8 @@ def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[in
         "fast_memory": fm.text,
         "budget_bytes": budget,
         "dtype": dtype,
-        "predictor_dtype": predictor_dtype if request.predictors else None,
+        "mode": mode,
+        "predictor_dtype": predictor_dtype if predictors else None,
         "context": request.context,
         "kv_dtype": request.kv_dtype,
         "always_touched": reserve,
@@ -274,7 +295,7 @@ def format_plan(plan: dict) -> str:
     r = plan["always_touched"]
     lines = [
         f"budget {human_bytes(plan['budget_bytes'])} ({plan['budget_bytes']} B, --fast-memory {plan['fast_memory']}), "
-        f"dtype {plan['dtype']}, context {plan['context']}",
+        f"dtype {plan['dtype']}, context {plan['context']}, for the {plan.get('mode', 'sparse')} mode",
         "always touched: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in r.items() if v and k != "total") + f"  = {human_bytes(r['total'])}",
         f"MLP: {plan['mlp']['hot_neurons']}/{plan['mlp']['neurons']} neurons hot x {plan['bytes_per_neuron']} B = "
         f"{human_bytes(plan['mlp']['resident_bytes'])} of {human_bytes(plan['mlp']['total_bytes'])} "

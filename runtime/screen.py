@@ -169,6 +169,19 @@ def screens_nbytes(screens: dict | None) -> int:
     return sum(s.nbytes for s in (screens or {}).values())
 
 
+def screen_applies(activation: str | None, weight_dtype: str) -> bool:
+    """Whether the screen mode can run: an activation a gate bound proves zero and float weights."""
+    return activation in SCREENED and weight_dtype != "int8"
+
+
+def planned_screens_bytes(units: int, intermediate: int, hidden: int, activation: str | None, tied_halves: bool) -> int:
+    """The bytes load_screens will hold for `units` MLPs, from the config alone (a placement plan's reserve): per unit
+    the pairs' gate rows of tied dReLU halves, the gate and up rows of other dReLU units, the gate rows of the other
+    screened activations, each row hidden int8 values and ROW_EXTRA_BYTES."""
+    rows = intermediate // 2 if tied_halves and activation == "drelu" else 2 * intermediate if activation == "drelu" else intermediate
+    return units * rows * (hidden + ROW_EXTRA_BYTES)
+
+
 def screen_native(screen: UnitScreen, x: torch.Tensor, threads: int) -> tuple[torch.Tensor, int]:
     """x: [H] float32, contiguous -> (ascending ids of the neurons the screen keeps, or for tied halves of the pairs
     (a view of screen.ids), bytes the screen read)."""

@@ -14,6 +14,7 @@ from sparseforge.files import damaged, open_safetensors, read_json
 DTYPES = ("float32", "float16", "bfloat16", "int8")
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 KV_DTYPE_CHOICES = ("float32", "float16")  # the engine's KV cache element types (Engine.load kv_dtype)
+PLAN_MODES = ("auto", "sparse", "screen")  # the engine modes a placement plan is made for (runtime/plan.py PlanRequest.mode)
 INT8_SCALE_BYTES = 4  # one float32 scale per stored row of an int8 matrix
 STORED_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -102,6 +103,8 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     tied: bool  # lm_head shares the embedding matrix
+    activation: str | None = None  # the MLP activation of a sparse checkpoint (config.json "sparsity")
+    tied_halves: bool = False  # its MLPs are tied neuron halves (sparsify/convert.py)
 
 
 def model_shape(ckpt: str | Path) -> ModelShape:
@@ -120,6 +123,8 @@ def model_shape(ckpt: str | Path) -> ModelShape:
         kv_heads=int(c.get("num_key_value_heads") or heads),
         head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
         tied=bool(c.get("tie_word_embeddings", False)),
+        activation=(c.get("sparsity") or {}).get("activation"),
+        tied_halves=bool((c.get("sparsity") or {}).get("tied_halves")),
     )
 
 
@@ -169,10 +174,10 @@ def stored_dtype(headers: dict[str, tuple[str, list[int]]]) -> str:
 
 
 def reserve_bytes(ckpt: str | Path, shape: ModelShape, headers: dict, dtype: str, context: int, predictor_dtype: str | None,
-                  head_screen: bool = True, kv_dtype: str = "float32") -> dict[str, int]:  # fmt: skip
+                  head_screen: bool = True, kv_dtype: str = "float32", mlp_screens: bool = False) -> dict[str, int]:  # fmt: skip
     """Always-touched bytes by category (+ `total`): every non-MLP weight in `dtype`, the lm_head once if
-    tied, the predictors in `predictor_dtype` (None: none), the lm_head's screen (float dtypes, unless head_screen is False), and
-    the KV cache of `kv_dtype` for `context` tokens."""
+    tied, the predictors in `predictor_dtype` (None: none), the MLP screens of the screen mode (mlp_screens), the lm_head's
+    screen (float dtypes, unless head_screen is False), and the KV cache of `kv_dtype` for `context` tokens."""
     cats = dict.fromkeys(("attention", "embeddings", "lm_head", "norms", "routers", "mlp_biases", "other"), 0)
     mlp_elements = 0
     for name, (_, dims) in headers.items():
@@ -189,10 +194,18 @@ def reserve_bytes(ckpt: str | Path, shape: ModelShape, headers: dict, dtype: str
         )
     cats["mlp_channel_scales"] = shape.layers * shape.experts * shape.hidden * 4 if dtype == "int8" else 0  # int8 down columns: [H] per unit
     cats["predictors"] = predictor_bytes(ckpt, predictor_dtype) if predictor_dtype else 0
+    cats["mlp_screens"] = mlp_screens_bytes(shape) if mlp_screens else 0
     cats["head_screen"] = head_screen_bytes(headers, dtype) if head_screen else 0
     cats["kv_cache"] = kv_cache_bytes(shape, context, kv_dtype)
     cats["total"] = sum(cats.values())
     return cats
+
+
+def mlp_screens_bytes(shape: ModelShape) -> int:
+    """The screen mode's int8 copies of the MLP gate (and up) rows (runtime/screen.py), as the engine will hold them."""
+    from sparseforge.runtime.screen import planned_screens_bytes  # here: this module stays free of torch for the CLI's choices
+
+    return planned_screens_bytes(shape.layers * shape.experts, shape.intermediate, shape.hidden, shape.activation, shape.tied_halves)
 
 
 def head_screen_bytes(headers: dict, dtype: str) -> int:

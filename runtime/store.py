@@ -383,17 +383,17 @@ def split_slots(plan: dict, ckpt: Path, cache_fraction: float, min_cold_slots: i
 
 
 def tiered_units(ckpt: str | Path, plan: dict | str, weight_dtype: str, context: int = 2048, predictor_dtype: str | None = None,
-                 head_screen: bool = True, kv_dtype: str = "float32", **options) -> NeuronStore:  # fmt: skip
+                 head_screen: bool = True, kv_dtype: str = "float32", mode: str = "sparse", **options) -> NeuronStore:  # fmt: skip
     """The disk-backed units factory for `Engine.load(..., units=...)`.
 
     plan: a plan dict, a plan file name in the checkpoint ("plan-25pct.json"), or a --fast-memory size ("25%",
-    "400MiB") for which a plan is made now (for `weight_dtype`, `context`, `kv_dtype` and `predictor_dtype`, default
-    `weight_dtype`: pass the engine's predictor dtype; head_screen False: no reserve for the lm_head's screen). options: NeuronStore's
-    (cache_fraction, min_cold_slots, io, verify, merge_gap, build, progress, pair_slots)."""
+    "400MiB") for which a plan is made now (for `weight_dtype`, `context`, `kv_dtype`, the engine `mode` (PlanRequest's)
+    and `predictor_dtype`, default `weight_dtype`; head_screen False: no reserve for the lm_head's screen). options:
+    NeuronStore's (cache_fraction, min_cold_slots, io, verify, merge_gap, build, progress, pair_slots)."""
     if isinstance(plan, str):
         if plan.endswith(".json"):
             plan = load_plan(ckpt, plan)
         else:
             plan = make_plan(ckpt, PlanRequest(parse_size(plan), context=context, dtype=weight_dtype, predictor_dtype=predictor_dtype,
-                                               head_screen=head_screen, kv_dtype=kv_dtype))  # fmt: skip
+                                               head_screen=head_screen, kv_dtype=kv_dtype, mode=mode))  # fmt: skip
     return NeuronStore(ckpt, plan, weight_dtype, **options)

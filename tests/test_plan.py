@@ -172,6 +172,31 @@ def test_dtypes_int8_and_predictors(llama, tmp_path):
         (ckpt / "predictors.safetensors").unlink()
 
 
+def test_a_plan_for_the_screen_reserves_the_mlp_screens_instead_of_the_predictors(llama, capsys):
+    """--mode screen reserves the int8 gate and up rows of every neuron (H + 12 bytes a row) and no predictors; auto
+    chooses it where the screen applies (float weights, no predictor dtype asked for), as the engines' auto does."""
+    ckpt, _ = llama
+    fake = {"layers.0.fc1.weight": torch.zeros(8, H), "layers.0.fc2.weight": torch.zeros(I, 8)}
+    save_tensors(ckpt / "predictors.safetensors", fake, {"format_version": "1"})
+    try:
+        sparse, screen, auto = (make_plan(ckpt, PlanRequest(parse_size("30%"), context=64, mode=m)) for m in ("sparse", "screen", "auto"))
+        assert sparse["mode"] == "sparse" and sparse["always_touched"]["predictors"] > 0 and sparse["always_touched"]["mlp_screens"] == 0
+        assert screen["mode"] == auto["mode"] == "screen" and screen["predictor_dtype"] is None
+        assert screen["always_touched"]["predictors"] == 0 and screen["always_touched"]["mlp_screens"] == L * 2 * I * (H + 12)
+        assert screen["always_touched"]["total"] - sparse["always_touched"]["total"] == L * 2 * I * (H + 12) - sparse["always_touched"]["predictors"]
+        assert make_plan(ckpt, PlanRequest(parse_size("30%"), predictor_dtype="int8", mode="auto"))["mode"] == "sparse"
+        assert make_plan(ckpt, PlanRequest(parse_size("30%"), dtype="int8", mode="auto"))["mode"] == "sparse"
+        with pytest.raises(SparseforgeError, match="--mode screen needs a ReLU-family MLP and float weights.*int8"):
+            make_plan(ckpt, PlanRequest(parse_size("30%"), dtype="int8", mode="screen"))
+        assert main(["plan", str(ckpt), "--fast-memory", "30%", "--context", "64", "--mode", "sparse", "--out", "plan-sparse.json"]) == 0
+        assert "for the sparse mode" in capsys.readouterr().out and load_plan(ckpt, "plan-sparse.json")["mode"] == "sparse"
+        assert main(["plan", str(ckpt), "--fast-memory", "30%", "--dtype", "int8", "--mode", "screen"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "--mode screen needs" in err and "\n" not in err
+    finally:
+        (ckpt / "predictors.safetensors").unlink()
+
+
 def test_moe_plan_per_expert(mixtral, tmp_path):
     ckpt, counts = mixtral  # [2, 4, 128]
     plan = make_plan(ckpt, PlanRequest(parse_size("20%"), context=32))

@@ -11,9 +11,9 @@ from tiny import kernels_built_with, profiled_checkpoint, tiny_model, tiny_token
 from sparseforge.checkpoint import save_sparse
 from sparseforge.errors import SparseforgeError
 from sparseforge.runtime import kernels
-from sparseforge.runtime.engine import Engine, GenerationConfig
+from sparseforge.runtime.engine import Engine, GenerationConfig, open_engine
 from sparseforge.runtime.model import auto_mode
-from sparseforge.runtime.screen import screen_native, screen_torch, unit_screen
+from sparseforge.runtime.screen import screen_native, screen_torch, screens_nbytes, unit_screen
 from sparseforge.runtime.store import tiered_units
 from sparseforge.sparsify.convert import convert_model, tied_pairs
 from sparseforge.sparsify.hf_code.modeling_sparseforge import GatedActivation
@@ -220,10 +220,35 @@ def test_screen_over_disk_backed_units_equals_the_resident_screen(tmp_path):
     prompt = tiny_tokenizer()("The quick brown fox jumps")["input_ids"]
     config = GenerationConfig(max_new_tokens=12)
     want = list(Engine.load(ckpt, mode="screen", context=64, progress=False).generate(prompt, config))
-    with tiered_units(ckpt, "20%", "float32", context=64, min_cold_slots=16, progress=False) as store:
+    with tiered_units(ckpt, "20%", "float32", context=64, min_cold_slots=16, progress=False, mode="screen") as store:
         disk = Engine.load(ckpt, mode="screen", context=64, units=store, progress=False)
         assert list(disk.generate(prompt, config)) == want
         assert disk.stats()["neurons_computed_fraction"] < 1.0
+        # the plan reserved the screens' bytes exactly, and no predictors; auto runs the mode the plan was made for
+        reserve = store.plan["always_touched"]
+        assert reserve["mlp_screens"] == screens_nbytes(disk.model.screens) > 0 and reserve["predictors"] == 0
+        auto = Engine.load(ckpt, context=64, units=store, progress=False)
+        assert auto.model.mode == "screen" and auto.model.predictors is None
+        with pytest.raises(SparseforgeError, match="made for the screen mode, the engine runs sparse; .*--mode sparse"):
+            Engine.load(ckpt, mode="sparse", context=64, units=store, progress=False)
+    with tiered_units(ckpt, "20%", "float32", context=64, min_cold_slots=16, progress=False) as store:  # a plan for the predictors
+        assert store.plan["mode"] == "sparse" and store.plan["always_touched"]["mlp_screens"] == 0
+        with pytest.raises(SparseforgeError, match="made for the sparse mode, the engine runs screen; .*--mode screen"):
+            Engine.load(ckpt, mode="screen", context=64, units=store, progress=False)
+
+
+def test_open_engine_under_a_budget_screens_by_default_and_plans_for_it(tied_pairs_ckpt):
+    """generate --fast-memory's path: mode auto makes a plan for the screen and runs it, giving the resident screen's
+    tokens; the sparse mode and int8 weights plan for the predictors."""
+    ckpt, prompt, config = tied_pairs_ckpt[0], _ids(n=1, t=6, seed=5)[0].tolist(), GenerationConfig(max_new_tokens=8)
+    want = list(Engine.load(ckpt, mode="screen", context=32, progress=False).generate(prompt, config))
+    with open_engine(ckpt, context=32, fast_memory="30%", progress=False) as engine:
+        assert engine.model.mode == engine.model.units.plan["mode"] == "screen" and engine.model.predictors is None
+        assert list(engine.generate(prompt, config)) == want
+    with open_engine(ckpt, mode="sparse", context=32, fast_memory="30%", progress=False) as engine:
+        assert engine.model.units.plan["mode"] == "sparse" and engine.model.predictors
+    with open_engine(ckpt, context=32, fast_memory="30%", weight_dtype="int8", progress=False) as engine:  # int8: no screen
+        assert engine.model.mode == engine.model.units.plan["mode"] == "sparse"
 
 
 def test_a_tied_screen_over_disk_backed_units_equals_the_resident_one(tied_pairs_ckpt):
@@ -234,9 +259,10 @@ def test_a_tied_screen_over_disk_backed_units_equals_the_resident_one(tied_pairs
     resident, prompt, config = Engine.load(ckpt, mode="screen", context=32, progress=False), ids[0, :6].tolist(), GenerationConfig(max_new_tokens=8)
     assert all(s.tied and s.up is None for s in resident.model.screens.values()) and all(lw.units[0].tied for lw in resident.model.weights.layers)
     want = list(resident.generate(prompt, config))
-    with tiered_units(ckpt, "30%", "float32", context=32, min_cold_slots=16, progress=False) as store:
+    with tiered_units(ckpt, "30%", "float32", context=32, min_cold_slots=16, progress=False, mode="screen") as store:
         disk = Engine.load(ckpt, mode="screen", context=32, units=store, progress=False)
         assert not any(lw.units[0].tied for lw in disk.model.weights.layers)
+        assert store.plan["always_touched"]["mlp_screens"] == screens_nbytes(disk.model.screens)  # the pairs' gate rows alone
         torch.testing.assert_close(_logits(disk, ids, 3), ref, atol=2e-5, rtol=1e-4)
         assert list(disk.generate(prompt, config)) == want
 
@@ -265,9 +291,11 @@ def test_auto_mode_screens_where_the_screen_applies_and_uses_the_predictors_else
     tied = copy.deepcopy(auto.model.config)
     tied.sparsity = {**tied.sparsity, "halves": True, "tied_halves": True}
     assert auto_mode(tied, "int8") == "oracle" and auto_mode(tied, "float16") == "screen"
-    assert auto_mode(tied, "int8", tiered=True) == auto_mode(tied, "int8", predictors=True) == "sparse"
-    assert auto_mode(auto.model.config, "float32", tiered=True) == "sparse"
+    assert auto_mode(tied, "int8", device=True) == auto_mode(tied, "int8", predictors=True) == auto_mode(tied, "int8", plan={"mode": "sparse"}) == "sparse"
+    assert auto_mode(auto.model.config, "float32", device=True) == "sparse"
     assert auto_mode(auto.model.config, "float32", predictors=True) == "sparse"
+    assert auto_mode(auto.model.config, "float32", plan={"mode": "sparse"}) == "sparse"  # a neuron store: the plan's mode
+    assert auto_mode(auto.model.config, "float32", plan={"mode": "screen"}) == "screen"
     with pytest.raises(SparseforgeError, match="predictors"):  # int8: the predictors, which this checkpoint lacks
         Engine.load(ckpt, weight_dtype="int8", progress=False)
     save_sparse(convert_model(tiny_model("llama"), "silu"), tiny_tokenizer(), tmp_path / "silu")
