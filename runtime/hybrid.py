@@ -73,15 +73,16 @@ def device_plan(ckpt, device_memory: str, weight_dtype: str, context: int, kv_dt
 
 
 def cpu_plan(ckpt, fast_memory: str, device_memory: str | None, weight_dtype: str, context: int, predictor_dtype: str | None,
-             kv_dtype: str = "float32") -> dict:
+             kv_dtype: str = "float32", mode: str = "sparse") -> dict:
     """The neuron store's plan under a hybrid engine: `fast_memory` of CPU memory for the neurons the device does not
-    hold (theirs ranked first by frequency, the device's last), counted as the CPU engine counts it."""
+    hold (theirs ranked first by frequency, the device's last), counted as the CPU engine counts it, for the engine's
+    `mode` (the predictors' or the screens' reserve: runtime/plan.py PlanRequest)."""
     from sparseforge.runtime.plan import PlanRequest, make_plan
     from sparseforge.runtime.sizes import parse_size
 
     exclude = device_hot(device_plan(ckpt, device_memory or "100%", weight_dtype, context, kv_dtype))
     request = PlanRequest(parse_size(fast_memory), context=context, dtype=weight_dtype, predictor_dtype=predictor_dtype, head_screen=False,
-                          kv_dtype=kv_dtype)
+                          kv_dtype=kv_dtype, mode=mode)
     return make_plan(ckpt, request, exclude=exclude)
 
 

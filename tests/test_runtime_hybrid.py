@@ -130,10 +130,10 @@ def test_scorecard_times_the_device_tier(llama):
         assert mode["device"]["hot_fraction"] == 0.25 and mode["decode_tokens_per_second"] > 0
 
 
-@pytest.mark.parametrize("mode", ["oracle", "sparse"])
+@pytest.mark.parametrize("mode", ["oracle", "sparse", "screen"])
 def test_the_disk_tier_holds_the_neurons_the_device_does_not(llama, mode):
     """--device with --fast-memory: the neuron store's plan ranks the device's neurons last and the engine never asks
-    the store for them; the tokens are the all-in-memory hybrid's."""
+    the store for them; the tokens are the all-in-memory hybrid's. The screen's plan reserves the screens."""
     _, ckpt = llama
     prompt = _ids(1, 5, seed=3)[0].tolist()
     config = GenerationConfig(max_new_tokens=10, stop_ids=())
@@ -141,6 +141,7 @@ def test_the_disk_tier_holds_the_neurons_the_device_does_not(llama, mode):
         want = list(engine.generate(prompt, config))
     with open_engine(ckpt, mode=mode, context=32, progress=False, device=DEVICE, device_memory="25%", fast_memory="30%") as engine:
         assert list(engine.generate(prompt, config)) == want
+        assert engine.model.units.store.plan["mode"] == ("screen" if mode == "screen" else "sparse")
         stats = engine.stats()
         assert stats["units"]["misses"] > 0 and stats["units"]["resident_bytes"] <= stats["units"]["mlp_budget_bytes"]
         for lw in engine.model.weights.layers:
