@@ -124,8 +124,8 @@ def load_model(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float3
     config = _load_config(ckpt)
     plan = getattr(units, "plan", None)  # a neuron store's placement plan: its reserve must hold the predictors or screens and the head screen
     if mode == AUTO:
-        mode = auto_mode(config, weight_dtype, device=device is not None or device_memory is not None, predictors=predictor_dtype is not None,
-                         plan=plan)  # fmt: skip
+        mode = auto_mode(config.sparsity, weight_dtype, device=device is not None or device_memory is not None,
+                         predictors=predictor_dtype is not None, plan=plan)  # fmt: skip
     _check_plan_mode(plan, mode)
     tier = None
     if device is not None or device_memory is not None:
@@ -167,13 +167,14 @@ def load_model(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float3
     return model
 
 
-def auto_mode(config, weight_dtype: str, device: bool = False, predictors: bool = False, plan: dict | None = None) -> str:
-    """The mode "auto" runs for a checkpoint's config: "screen" when every MLP's activation is one a gate bound
-    proves zero and the weights are float (runtime/screen.py screen_applies), there is no device tier (its plans hold
-    predictors) and no predictor dtype was asked for (predictors); under a neuron store's placement plan, the mode the
-    plan was made for (runtime/plan.py: "screen" reserved the MLP screens); with int8 weights and every neuron
-    resident, "oracle" for tied neuron halves (computed a pair at a time, exact); else "sparse"."""
-    sparsity = config.sparsity or {}
+def auto_mode(sparsity: dict | None, weight_dtype: str, device: bool = False, predictors: bool = False, plan: dict | None = None) -> str:
+    """The mode "auto" runs for a checkpoint's `sparsity` (config.json): "screen" when every MLP's activation is one a
+    gate bound proves zero and the weights are float (runtime/screen.py screen_applies), there is no device tier (its
+    plans hold predictors) and no predictor dtype was asked for (predictors); under a neuron store's placement plan,
+    the mode the plan was made for (runtime/plan.py plan_mode, which asks this function: "screen" reserved the MLP
+    screens); with int8 weights and every neuron resident, "oracle" for tied neuron halves (computed a pair at a time,
+    exact); else "sparse"."""
+    sparsity = sparsity or {}
     if sparsity.get("activation") not in SCREENED or device or predictors:
         return "sparse"
     if plan is not None:

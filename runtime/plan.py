@@ -106,17 +106,19 @@ def _rate(hit: int, total: int) -> float | None:
 
 
 def plan_mode(request: PlanRequest, shape, dtype: str) -> str:
-    """The engine mode a plan is made for: request.mode, "auto" resolved as the engines resolve it under a plan."""
+    """The engine mode a plan is made for: request.mode, "auto" resolved as an engine with every neuron in memory
+    resolves it (runtime/model.py auto_mode), the screen's or else the predictors'."""
+    from sparseforge.runtime.model import auto_mode
     from sparseforge.runtime.screen import screen_applies
 
     if request.mode not in PLAN_MODES:
         raise SparseforgeError(f"--mode {request.mode!r} is not a plan's mode; use one of {', '.join(PLAN_MODES)}")
-    applies = screen_applies(shape.activation, dtype)
-    if request.mode == "screen" and not applies:
+    if request.mode == "screen" and not screen_applies(shape.activation, dtype):
         raise SparseforgeError(f"--mode screen needs a ReLU-family MLP and float weights, this plan is for a {shape.activation} MLP in "
                                f"{dtype}; use --mode sparse (the predictors)")  # fmt: skip
     if request.mode == "auto":
-        return "screen" if applies and request.predictor_dtype is None else "sparse"
+        sparsity = {"activation": shape.activation, "tied_halves": shape.tied_halves}
+        return "screen" if auto_mode(sparsity, dtype, predictors=request.predictor_dtype is not None) == "screen" else "sparse"
     return request.mode
 
 

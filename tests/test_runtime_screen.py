@@ -286,16 +286,17 @@ def test_auto_mode_screens_where_the_screen_applies_and_uses_the_predictors_else
     assert auto.model.mode == auto.stats()["mode"] == "screen" and auto.model.predictors is None
     assert list(auto.generate(prompt, config)) == list(Engine.load(ckpt, mode="screen", context=64, progress=False).generate(prompt, config))
     for weight_dtype in ("bfloat16", "float16"):
-        assert auto_mode(auto.model.config, weight_dtype) == "screen"
-    assert auto_mode(auto.model.config, "int8") == "sparse"
+        assert auto_mode(auto.model.config.sparsity, weight_dtype) == "screen"
+    assert auto_mode(auto.model.config.sparsity, "int8") == "sparse"
     tied = copy.deepcopy(auto.model.config)
     tied.sparsity = {**tied.sparsity, "halves": True, "tied_halves": True}
-    assert auto_mode(tied, "int8") == "oracle" and auto_mode(tied, "float16") == "screen"
-    assert auto_mode(tied, "int8", device=True) == auto_mode(tied, "int8", predictors=True) == auto_mode(tied, "int8", plan={"mode": "sparse"}) == "sparse"
-    assert auto_mode(auto.model.config, "float32", device=True) == "sparse"
-    assert auto_mode(auto.model.config, "float32", predictors=True) == "sparse"
-    assert auto_mode(auto.model.config, "float32", plan={"mode": "sparse"}) == "sparse"  # a neuron store: the plan's mode
-    assert auto_mode(auto.model.config, "float32", plan={"mode": "screen"}) == "screen"
+    assert auto_mode(tied.sparsity, "int8") == "oracle" and auto_mode(tied.sparsity, "float16") == "screen"
+    for kind in ({"device": True}, {"predictors": True}, {"plan": {"mode": "sparse"}}):
+        assert auto_mode(tied.sparsity, "int8", **kind) == "sparse"
+    assert auto_mode(auto.model.config.sparsity, "float32", device=True) == "sparse"
+    assert auto_mode(auto.model.config.sparsity, "float32", predictors=True) == "sparse"
+    assert auto_mode(auto.model.config.sparsity, "float32", plan={"mode": "sparse"}) == "sparse"  # a neuron store: the plan's mode
+    assert auto_mode(auto.model.config.sparsity, "float32", plan={"mode": "screen"}) == "screen"
     with pytest.raises(SparseforgeError, match="predictors"):  # int8: the predictors, which this checkpoint lacks
         Engine.load(ckpt, weight_dtype="int8", progress=False)
     save_sparse(convert_model(tiny_model("llama"), "silu"), tiny_tokenizer(), tmp_path / "silu")
