@@ -6,15 +6,14 @@ import ctypes
 
 import pytest
 import torch
-from tiny import kernels_built_with, profiled_checkpoint, tiny_model, tiny_tokenizer
+from tiny import kernels_built_with, stepwise_logits, tiny_model, tiny_tokenizer
 
 from sparseforge.checkpoint import save_sparse
 from sparseforge.errors import SparseforgeError
 from sparseforge.runtime import kernels
-from sparseforge.runtime.engine import Engine, GenerationConfig, open_engine
+from sparseforge.runtime.engine import Engine, GenerationConfig
 from sparseforge.runtime.model import auto_mode
-from sparseforge.runtime.screen import screen_native, screen_torch, screens_nbytes, unit_screen
-from sparseforge.runtime.store import tiered_units
+from sparseforge.runtime.screen import screen_native, screen_torch, unit_screen
 from sparseforge.sparsify.convert import convert_model, tied_pairs
 from sparseforge.sparsify.hf_code.modeling_sparseforge import GatedActivation
 from sparseforge.sparsify.threshold import apply_thresholds, calibrate_thresholds
@@ -43,14 +42,6 @@ def ckpts(tmp_path_factory):
 
 def _ids(n=2, t=12, seed=0):
     return torch.randint(0, 300, (n, t), generator=torch.Generator().manual_seed(seed))
-
-
-def _logits(engine, ids, split):
-    """Prefill ids[:, :split], then one token at a time: logits [B, T, V]."""
-    cache = engine.new_cache(ids.shape[0])
-    parts = [engine.forward(ids[:, :split], cache)]
-    parts += [engine.forward(ids[:, t : t + 1], cache) for t in range(split, ids.shape[1])]
-    return torch.cat(parts, dim=1)
 
 
 def _rows(rows: int, cols: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
@@ -160,11 +151,11 @@ def test_screen_logits_equal_the_oracle_and_the_hf_model(ckpts, name):
     for native in NATIVE:
         oracle = Engine.load(ckpt, mode="oracle", context=32, progress=False, native=native)
         screen = Engine.load(ckpt, mode="screen", context=32, progress=False, native=native)
-        want = _logits(oracle, ids[1:], 3)
-        got = _logits(screen, ids[1:], 3)  # batch 1: the row decoder
+        want = stepwise_logits(oracle, ids[1:], 3)
+        got = stepwise_logits(screen, ids[1:], 3)  # batch 1: the row decoder
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(got, ref[1:], atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(_logits(screen, ids, 3), ref, atol=2e-5, rtol=1e-4)  # two rows: the PyTorch screen
+        torch.testing.assert_close(stepwise_logits(screen, ids, 3), ref, atol=2e-5, rtol=1e-4)  # two rows: the PyTorch screen
         assert screen.stats()["neurons_computed_fraction"] < 0.9
 
 
@@ -213,58 +204,6 @@ def test_decode_neuron_counts_are_the_decode_steps_alone(ckpts):
     list(engine.generate([5] * 9, GenerationConfig(max_new_tokens=6, stop_ids=())))
     t = engine.stats()
     assert t["neurons_computed_fraction"] > t["decode_neurons_computed_fraction"]
-
-
-def test_screen_over_disk_backed_units_equals_the_resident_screen(tmp_path):
-    ckpt, _, _ = profiled_checkpoint(tmp_path, "llama")
-    prompt = tiny_tokenizer()("The quick brown fox jumps")["input_ids"]
-    config = GenerationConfig(max_new_tokens=12)
-    want = list(Engine.load(ckpt, mode="screen", context=64, progress=False).generate(prompt, config))
-    with tiered_units(ckpt, "20%", "float32", context=64, min_cold_slots=16, progress=False, mode="screen") as store:
-        disk = Engine.load(ckpt, mode="screen", context=64, units=store, progress=False)
-        assert list(disk.generate(prompt, config)) == want
-        assert disk.stats()["neurons_computed_fraction"] < 1.0
-        # the plan reserved the screens' bytes exactly, and no predictors; auto runs the mode the plan was made for
-        reserve = store.plan["always_touched"]
-        assert reserve["mlp_screens"] == screens_nbytes(disk.model.screens) > 0 and reserve["predictors"] == 0
-        auto = Engine.load(ckpt, context=64, units=store, progress=False)
-        assert auto.model.mode == "screen" and auto.model.predictors is None
-        with pytest.raises(SparseforgeError, match="made for the screen mode, the engine runs sparse; .*--mode sparse"):
-            Engine.load(ckpt, mode="sparse", context=64, units=store, progress=False)
-    with tiered_units(ckpt, "20%", "float32", context=64, min_cold_slots=16, progress=False) as store:  # a plan for the predictors
-        assert store.plan["mode"] == "sparse" and store.plan["always_touched"]["mlp_screens"] == 0
-        with pytest.raises(SparseforgeError, match="made for the sparse mode, the engine runs screen; .*--mode screen"):
-            Engine.load(ckpt, mode="screen", context=64, units=store, progress=False)
-
-
-def test_open_engine_under_a_budget_screens_by_default_and_plans_for_it(tied_pairs_ckpt):
-    """generate --fast-memory's path: mode auto makes a plan for the screen and runs it, giving the resident screen's
-    tokens; the sparse mode and int8 weights plan for the predictors."""
-    ckpt, prompt, config = tied_pairs_ckpt[0], _ids(n=1, t=6, seed=5)[0].tolist(), GenerationConfig(max_new_tokens=8)
-    want = list(Engine.load(ckpt, mode="screen", context=32, progress=False).generate(prompt, config))
-    with open_engine(ckpt, context=32, fast_memory="30%", progress=False) as engine:
-        assert engine.model.mode == engine.model.units.plan["mode"] == "screen" and engine.model.predictors is None
-        assert list(engine.generate(prompt, config)) == want
-    with open_engine(ckpt, mode="sparse", context=32, fast_memory="30%", progress=False) as engine:
-        assert engine.model.units.plan["mode"] == "sparse" and engine.model.predictors
-    with open_engine(ckpt, context=32, fast_memory="30%", weight_dtype="int8", progress=False) as engine:  # int8: no screen
-        assert engine.model.mode == engine.model.units.plan["mode"] == "sparse"
-
-
-def test_a_tied_screen_over_disk_backed_units_equals_the_resident_one(tied_pairs_ckpt):
-    """Its pairs, as both halves' neurons for a neuron store's units, give the resident pair kernel's tokens and the HF logits."""
-    (ckpt, model, _), ids = tied_pairs_ckpt, _ids(n=1, t=10, seed=4)
-    with torch.no_grad():
-        ref = model(ids).logits
-    resident, prompt, config = Engine.load(ckpt, mode="screen", context=32, progress=False), ids[0, :6].tolist(), GenerationConfig(max_new_tokens=8)
-    assert all(s.tied and s.up is None for s in resident.model.screens.values()) and all(lw.units[0].tied for lw in resident.model.weights.layers)
-    want = list(resident.generate(prompt, config))
-    with tiered_units(ckpt, "30%", "float32", context=32, min_cold_slots=16, progress=False, mode="screen") as store:
-        disk = Engine.load(ckpt, mode="screen", context=32, units=store, progress=False)
-        assert not any(lw.units[0].tied for lw in disk.model.weights.layers)
-        assert store.plan["always_touched"]["mlp_screens"] == screens_nbytes(disk.model.screens)  # the pairs' gate rows alone
-        torch.testing.assert_close(_logits(disk, ids, 3), ref, atol=2e-5, rtol=1e-4)
-        assert list(disk.generate(prompt, config)) == want
 
 
 def test_screen_needs_float_weights_and_a_relu_family_activation(ckpts, tmp_path):
@@ -343,8 +282,8 @@ def test_an_engine_screens_tied_halves_by_pair_and_matches_the_oracle(tmp_path):
     for native in NATIVE:
         screen = Engine.load(tmp_path / "halves", mode="screen", context=32, progress=False, native=native)
         assert all(s.tied for s in screen.model.screens.values())
-        torch.testing.assert_close(_logits(screen, ids[1:], 3), ref[1:], atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(_logits(screen, ids, 3), ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(stepwise_logits(screen, ids[1:], 3), ref[1:], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(stepwise_logits(screen, ids, 3), ref, atol=2e-5, rtol=1e-4)
     with torch.no_grad():  # pairs moved apart: screened neuron by neuron
         model.model.layers[0].mlp.up_proj.weight[0, 0] += 0.5
     save_sparse(model, tiny_tokenizer(), tmp_path / "apart")
@@ -352,7 +291,7 @@ def test_an_engine_screens_tied_halves_by_pair_and_matches_the_oracle(tmp_path):
     assert [s.tied for s in screen.model.screens.values()] == [False] + [True] * (len(screen.model.screens) - 1)
     with torch.no_grad():
         ref = model(ids).logits
-    torch.testing.assert_close(_logits(screen, ids[1:], 3), ref[1:], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(stepwise_logits(screen, ids[1:], 3), ref[1:], atol=2e-5, rtol=1e-4)
 
 
 def _assert_exact_screen_dots(lib: ctypes.CDLL) -> None:

@@ -197,3 +197,11 @@ def decode_path(engine, path: str):
     elif path == "layer by layer":
         row.lean = None
     return engine
+
+
+def stepwise_logits(engine, ids: torch.Tensor, split: int) -> torch.Tensor:
+    """Prefill ids[:, :split], then one token at a time: logits [B, T, V]."""
+    cache = engine.new_cache(ids.shape[0])
+    parts = [engine.forward(ids[:, :split], cache)]
+    parts += [engine.forward(ids[:, t : t + 1], cache) for t in range(split, ids.shape[1])]
+    return torch.cat(parts, dim=1)
