@@ -155,9 +155,8 @@ def open_engine(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float
             from sparseforge.runtime.store import tiered_units
 
             plan = fast_memory
-            # the plan reserves what the engine's mode reads: the predictors, or the MLP screens (auto: the hybrid tier's is sparse)
-            plan_mode = "screen" if mode == "screen" else "auto" if mode == "auto" and device is None and device_memory is None else "sparse"
-            if device is not None:  # the hybrid tier: the store holds the neurons the device does not (runtime/hybrid.py)
+            plan_mode = mode if mode in ("auto", "screen") else "sparse"  # the plan reserves what the mode reads: the screens or the predictors
+            if device is not None or device_memory is not None:  # the hybrid tier: the store holds the neurons the device does not (runtime/hybrid.py)
                 from sparseforge.runtime.hybrid import cpu_plan
 
                 plan = cpu_plan(ckpt, fast_memory, device_memory, weight_dtype, context, predictor_dtype, kv_dtype, plan_mode)

@@ -160,10 +160,10 @@ def load_model(ckpt: str | Path, mode: str = "auto", weight_dtype: str = "float3
     if mode == "screen":
         with torch.inference_mode():
             model.screens = load_screens(reader, model)
-        if plan is not None and screens_nbytes(model.screens) > plan["always_touched"].get("mlp_screens", 0):
-            raise SparseforgeError(f"the plan for {plan['fast_memory']} reserves {plan['always_touched'].get('mlp_screens', 0)} B for the MLP screens, "
-                                   f"they take {screens_nbytes(model.screens)} B; make the plan again: sparseforge plan {ckpt} --fast-memory "
-                                   f"{plan['fast_memory']} --mode screen")  # fmt: skip
+        need, have = screens_nbytes(model.screens), (plan or {}).get("always_touched", {}).get("mlp_screens", 0)
+        if plan is not None and need > have:
+            raise SparseforgeError(f"the plan for {plan['fast_memory']} reserves {have} B for the MLP screens, they take {need} B; make the plan "
+                                   f"again: sparseforge plan {ckpt} --fast-memory {plan['fast_memory']} --mode screen")  # fmt: skip
     return model
 
 

@@ -96,6 +96,7 @@ class PlanRequest:
     predictors: bool = True  # reserve the predictors (a hybrid engine's device plan: False, they run on the CPU)
     mode: str = "sparse"  # the engine mode the plan is for: "sparse" reserves the predictors, "screen" the MLP screens instead
     # (runtime/screen.py); "auto": screen where it applies (a ReLU-family MLP, a float dtype, no predictor dtype asked for)
+    device: bool = False  # for the CPU part of a hybrid engine (runtime/hybrid.py cpu_plan), whose "auto" runs the predictors
     kv_dtype: str = "float32"  # the engine's KV cache dtype (Engine.load kv_dtype)
     tied: bool | None = None  # hot neurons held as whole tied pairs, two rows a half (a hybrid engine's device: its checkpoint's
     # tied_halves); None: as the neuron store holds them, pair records with pair predictors (runtime/bundles.py)
@@ -106,8 +107,8 @@ def _rate(hit: int, total: int) -> float | None:
 
 
 def plan_mode(request: PlanRequest, shape, dtype: str) -> str:
-    """The engine mode a plan is made for: request.mode, "auto" resolved as an engine with every neuron in memory
-    resolves it (runtime/model.py auto_mode), the screen's or else the predictors'."""
+    """The engine mode a plan is made for: request.mode, "auto" resolved as the engine resolves it (runtime/model.py
+    auto_mode), the screen's or else the predictors'."""
     from sparseforge.runtime.model import auto_mode
     from sparseforge.runtime.screen import screen_applies
 
@@ -118,7 +119,8 @@ def plan_mode(request: PlanRequest, shape, dtype: str) -> str:
                                f"{dtype}; use --mode sparse (the predictors)")  # fmt: skip
     if request.mode == "auto":
         sparsity = {"activation": shape.activation, "tied_halves": shape.tied_halves}
-        return "screen" if auto_mode(sparsity, dtype, predictors=request.predictor_dtype is not None) == "screen" else "sparse"
+        engine = auto_mode(sparsity, dtype, device=request.device, predictors=request.predictor_dtype is not None)
+        return "screen" if engine == "screen" else "sparse"
     return request.mode
 
 

@@ -130,10 +130,11 @@ def test_scorecard_times_the_device_tier(llama):
         assert mode["device"]["hot_fraction"] == 0.25 and mode["decode_tokens_per_second"] > 0
 
 
-@pytest.mark.parametrize("mode", ["oracle", "sparse", "screen"])
+@pytest.mark.parametrize("mode", ["oracle", "sparse", "screen", "auto"])
 def test_the_disk_tier_holds_the_neurons_the_device_does_not(llama, mode):
     """--device with --fast-memory: the neuron store's plan ranks the device's neurons last and the engine never asks
-    the store for them; the tokens are the all-in-memory hybrid's. The screen's plan reserves the screens."""
+    the store for them; the tokens are the all-in-memory hybrid's. The screen's plan reserves the screens; auto's, as
+    the hybrid engine's auto runs the predictors, reserves them."""
     _, ckpt = llama
     prompt = _ids(1, 5, seed=3)[0].tolist()
     config = GenerationConfig(max_new_tokens=10, stop_ids=())
