@@ -82,7 +82,7 @@ def cpu_plan(ckpt, fast_memory: str, device_memory: str | None, weight_dtype: st
 
     exclude = device_hot(device_plan(ckpt, device_memory or "100%", weight_dtype, context, kv_dtype))
     request = PlanRequest(parse_size(fast_memory), context=context, dtype=weight_dtype, predictor_dtype=predictor_dtype, head_screen=False,
-                          kv_dtype=kv_dtype, mode=mode, device=True)
+                          kv_dtype=kv_dtype, mode=mode, hybrid=True)
     return make_plan(ckpt, request, exclude=exclude)
 
 

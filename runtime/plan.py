@@ -96,7 +96,7 @@ class PlanRequest:
     predictors: bool = True  # reserve the predictors (a hybrid engine's device plan: False, they run on the CPU)
     mode: str = "sparse"  # the engine mode the plan is for: "sparse" reserves the predictors, "screen" the MLP screens instead
     # (runtime/screen.py); "auto": screen where it applies (a ReLU-family MLP, a float dtype, no predictor dtype asked for)
-    device: bool = False  # for the CPU part of a hybrid engine (runtime/hybrid.py cpu_plan), whose "auto" runs the predictors
+    hybrid: bool = False  # for the CPU part of a hybrid engine (runtime/hybrid.py cpu_plan), whose "auto" runs the predictors
     kv_dtype: str = "float32"  # the engine's KV cache dtype (Engine.load kv_dtype)
     tied: bool | None = None  # hot neurons held as whole tied pairs, two rows a half (a hybrid engine's device: its checkpoint's
     # tied_halves); None: as the neuron store holds them, pair records with pair predictors (runtime/bundles.py)
@@ -119,7 +119,7 @@ def plan_mode(request: PlanRequest, shape, dtype: str) -> str:
                                f"{dtype}; use --mode sparse (the predictors)")  # fmt: skip
     if request.mode == "auto":
         sparsity = {"activation": shape.activation, "tied_halves": shape.tied_halves}
-        engine = auto_mode(sparsity, dtype, device=request.device, predictors=request.predictor_dtype is not None)
+        engine = auto_mode(sparsity, dtype, device=request.hybrid, predictors=request.predictor_dtype is not None)
         return "screen" if engine == "screen" else "sparse"
     return request.mode
 
