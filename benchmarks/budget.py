@@ -68,7 +68,7 @@ class Tiered:
         if self.store:
             after = self._counts()
             hits, neurons, read, records, io, reads = (a - b for a, b in zip(after, before))
-            out.update(hit_rate=hits / max(neurons, 1), bytes_read_per_token=read / rest, record_bytes_per_token=records / rest,
+            out.update(hit_rate=1.0 if self.store.resident else hits / max(neurons, 1), bytes_read_per_token=read / rest, record_bytes_per_token=records / rest,
                        io_s_per_token=io / rest, reads_per_token=reads / rest)  # fmt: skip
         return out
 

@@ -192,7 +192,7 @@ class SplitUnits:
         linear = (lambda w: _device_linear(w, reader.weight_dtype, self.device, self.threads, self.native))  # fmt: skip
         rows = _hot_pairs(layer, hot, gate, up) if self.hot_pairs else hot  # the gate and up rows the device holds
         gate_up, down_hot = linear(torch.cat([gate[rows], up[rows]])), linear(down[:, hot])
-        if self.store is not None:
+        if self.store is not None and not self.store.resident:  # a store whose plan holds every neuron: its CPU part is ColdBundles
             return SplitUnit(hot, gate_up, down_hot, self.store(layer, expert, reader), self.hot_pairs)
         cold = torch.ones(gate.shape[0], dtype=torch.bool)
         cold[hot] = False

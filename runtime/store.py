@@ -5,7 +5,8 @@ by a background thread while the engine computes the resident ones.
     engine = Engine.load(ckpt, mode="sparse", weight_dtype="float32", units=store)
     ...; store.stats(); store.close()
 
-`store` is the engine's units factory (`store(layer, expert, reader) -> TieredUnit`, runtime/weights.py). All units
+`store` is the engine's units factory (`store(layer, expert, reader) -> TieredUnit`, runtime/weights.py and
+runtime/tiered.py). All units
 share one arena of slots (`store.bundles`, every unit's `bundles`): each unit's hot neurons in a range of their own
 (pinned, loaded once at startup), then one pool of cache slots shared by every unit, an LRU cache of cold neurons.
 `request(neurons)` returns the hot and cached neurons as ready at once, claims pool slots for the misses (free ones
@@ -24,12 +25,13 @@ the plan's optimality argument asks. One pool rather than one cache per unit: de
 the layer at hand can hold all its misses in one request (one read job per layer instead of a dozen). Resident MLP
 bytes = arena slots x slot bytes <= mlp.budget_bytes, checked. A token whose predicted neurons exceed a unit's
 `capacity` is computed in chunks in file order (`unit.position[neurons]`), so each chunk's misses are a few long reads.
+A plan that holds every neuron (`store.resident`) needs no slots: the store hands out the resident engine's units, whose
+decode step is one native call (runtime/decode.py LeanStep), and starts no reader thread.
 """
 
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -40,185 +42,9 @@ from sparseforge.runtime.bundles import MERGE_GAP, BundleFile, ensure_bundles
 from sparseforge.runtime.pages import huge_empty
 from sparseforge.runtime.plan import PlanRequest, hot_counts, load_plan, make_plan, placement_ranks
 from sparseforge.runtime.sizes import human_bytes, parse_size
-from sparseforge.runtime.units import Request
-from sparseforge.runtime.weights import WEIGHT_DTYPES
-
-COUNTERS = ("requests", "neurons", "hot_hits", "cache_hits", "misses", "evictions", "bytes_read", "records_read", "record_bytes", "reads")
-
-
-@dataclass
-class _Job:
-    """One batch of cold bundles for the reader thread."""
-
-    unit: "TieredUnit"
-    neurons: np.ndarray  # int64 [m] neuron ids
-    slots: np.ndarray  # int64 [m] their slots in the store's arena
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-
-class TieredUnit:
-    """One MLP unit of a NeuronStore: its hot neurons pinned in arena slots from `offset` on, its cold ones read on
-    demand into the store's shared pool of cache slots. The slot bookkeeping is numpy (a request is a few dozen small
-    array operations; numpy's per-call cost is a fraction of torch's)."""
-
-    local = None  # every neuron is computed through the unit (runtime/units.py)
-    fixed_slots = None  # slots change as neurons come and go
-    tied = False  # slots are not neuron ids (an arena of pair records: a slot per pair, named per half; `pairs`: halves in two slots)
-
-    def __init__(self, store: "NeuronStore", layer: int, expert: int, index: int, offset: int, hot: torch.Tensor):
-        f = store.file
-        self.store, self.layer, self.expert, self.index, self.offset = store, layer, expert, index, offset
-        self.hidden, self.intermediate = f.hidden, f.index["intermediate"]
-        self.hot = int(hot.numel())
-        self.bundles, self.scales = store.bundles, store.scales  # the arena every unit of the store shares
-        self.channels = f.channels(layer, expert)  # int8: the unit's down-column channel scales (always resident), else None
-        self.position = f.positions(layer, expert).numpy()  # [I] neuron -> record position in the file (chunk order)
-        self.records = store.records  # a slot holds a pair record (module docstring), keyed by pair
-        self.pairs = f.pairs(layer, expert) and not self.records  # a pair record's halves scattered to two bundle slots
-        self.record_bytes = f.record_bytes(layer, expert)
-        self.keys = self.intermediate // 2 if self.records else self.intermediate  # what a slot holds: a pair, or a neuron
-        self.slot_of = np.full(self.keys, -1, dtype=np.int64)  # [keys] pair or neuron -> arena slot, -1 not resident
-        self.jobs: list[_Job] = []
-        self.counts = dict.fromkeys(COUNTERS, 0)
-        keys = np.unique(self._key(hot.numpy()))  # slots in neuron order: the kernels then walk the hot slots sequentially
-        # a request of k neurons needs min(k, cold keys) free pool slots
-        self.capacity = self.intermediate if store.pool_slots >= self.keys - keys.size else store.pool_slots
-        if keys.size:  # hot neurons: one read of the head of the unit's records (frequency order)
-            slots = offset + np.arange(keys.size)
-            store.fill(slots, f.read(layer, expert, self.position[keys]), self._halves(keys))
-            self.slot_of[keys] = slots
-            store.neuron_in[slots], store.owner[slots] = keys, index
-        self.load_bytes = np.unique(self.position[keys]).size * self.record_bytes
-
-    def _key(self, neurons: np.ndarray) -> np.ndarray:
-        """What holds `neurons` in a slot: their pairs in an arena of pair records, else the neurons themselves."""
-        return neurons % self.keys if self.records else neurons
-
-    # ---------------------------------------------------------------- the MLPUnit interface
-
-    def order(self, neurons: torch.Tensor) -> torch.Tensor:
-        """File order: chunks of neighbouring records turn each chunk's misses into a few long reads."""
-        return neurons[torch.from_numpy(np.argsort(self.position[neurons.numpy()], kind="stable"))]
-
-    def request(self, neurons: torch.Tensor) -> Request:
-        """neurons: LongTensor [k] of distinct neuron ids, k <= capacity."""
-        s = self.store
-        if s.closed:
-            raise SparseforgeError("the neuron store was closed; load the engine again to run it")
-        ids = neurons.numpy().astype(np.int64, copy=False)
-        k = ids.size
-        if k > self.capacity:
-            raise ValueError(f"request for {k} neurons exceeds the unit's capacity {self.capacity}; split it into chunks")
-        s.clock, c = s.clock + 1, self.counts
-        c["requests"], c["neurons"] = c["requests"] + 1, c["neurons"] + k
-        keys = self._key(ids)
-        slots = self.slot_of[keys]
-        if k and slots.min() >= 0 and slots.max() < s.pool_start:  # all hot: never evicted nor loading, nothing to pin
-            c["hot_hits"] += k
-            return Request(neurons, torch.from_numpy(self._named(ids, slots)))
-        resident = slots >= 0
-        cached = slots >= s.pool_start
-        n_cached = int(np.count_nonzero(cached))
-        c["hot_hits"] += int(np.count_nonzero(resident)) - n_cached
-        c["cache_hits"] += n_cached
-        c["misses"] += k - int(np.count_nonzero(resident))
-        held = np.unique(slots[cached]) if self.records else slots[cached]  # both halves of a pair: its slot once
-        s.pins[held] += 1
-        s.last_use[held] = s.clock
-        late = cached & s.loading[np.maximum(slots, 0)]  # cached, but an earlier request's read is still running
-        ready = resident & ~late
-        missing = ~resident
-        job = self._load(np.unique(keys[missing])) if missing.any() else None
-        any_late = bool(late.any())
-        waits = [j for j in self.jobs if not j.done.is_set()] if any_late else ([job] if job else [])
-        pinned = np.concatenate([held, job.slots]) if job else held
-        ready_n, ready_s = torch.from_numpy(ids[ready]), torch.from_numpy(self._named(ids[ready], slots[ready]))
-        if not waits:
-            return Request(ready_n, ready_s, None, lambda: self._unpin(pinned, []))
-        rest_n = ids[late | missing]
-        rest_s = self._named(rest_n, self.slot_of[keys[late | missing]])  # the missing ones' slots were claimed by _load
-        if job:  # queued last: the reader thread's Python then runs while the engine is in a kernel, not contending for the GIL here
-            s.submit(job)
-        return Request(ready_n, ready_s, lambda: self._wait(waits, rest_n, rest_s), lambda: self._unpin(pinned, waits))
-
-    def _named(self, neurons: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """The kernels' names of neurons in their slots: in an arena of S pair records, a second half's is S + slot."""
-        return slots + self.store.slots * (neurons >= self.keys) if self.records else slots
-
-    def stats(self) -> dict:
-        """Counters since load, and the unit's hot neurons and capacity (resident bytes: the store's stats)."""
-        return {**self.counts, "hot": self.hot, "capacity": self.capacity}
-
-    # ---------------------------------------------------------------- cache mechanics
-
-    def _load(self, neurons: np.ndarray) -> _Job:
-        """Claim pool slots for `neurons` (slot keys: pairs in an arena of pair records; LRU victims among unpinned
-        slots, of any unit): their read job, for request() to queue."""
-        s, m = self.store, neurons.size
-        p0 = s.pool_start
-        free = s.pins[p0:] == 0
-        n_free = int(np.count_nonzero(free))
-        if m > n_free:
-            raise ValueError(f"request needs {m} cache slots, {n_free} are free (capacity {self.capacity}); "
-                             "release earlier requests first")  # fmt: skip
-        key = s.last_use[p0:].copy()
-        key[s.owner[p0:] < 0] = -1  # empty slots first
-        key[~free] = np.iinfo(np.int64).max
-        victims = (np.argpartition(key, m - 1)[:m] if m < key.size else np.arange(key.size)) + p0
-        owners = s.owner[victims]
-        for o in np.unique(owners[owners >= 0]).tolist():  # evicted neurons leave their units
-            s.units[o].slot_of[s.neuron_in[victims[owners == o]]] = -1
-        self.counts["evictions"] += int(np.count_nonzero(owners >= 0))
-        self.slot_of[neurons] = victims
-        s.neuron_in[victims], s.owner[victims] = neurons, self.index
-        s.pins[victims] += 1
-        s.last_use[victims] = s.clock
-        s.loading[victims] = True
-        job = _Job(self, neurons, victims)
-        self.jobs = [j for j in self.jobs if not j.done.is_set()] + [job]
-        return job
-
-    def _wait(self, jobs: list[_Job], neurons: np.ndarray, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        start = time.perf_counter()
-        for job in jobs:
-            job.done.wait()
-        self.store.wait_seconds += time.perf_counter() - start
-        for job in jobs:
-            if job.error is not None:
-                self._forget(job)
-                raise job.error
-        return torch.from_numpy(neurons), torch.from_numpy(slots)
-
-    def _unpin(self, pinned: np.ndarray, jobs: list[_Job]) -> None:
-        for job in jobs:  # no read may still write into a slot once it can be evicted
-            job.done.wait()
-            if job.error is not None:
-                self._forget(job)
-        self.store.pins[pinned] -= 1
-
-    def _forget(self, job: _Job) -> None:
-        """A failed read left its slots without data: mark them empty."""
-        s = self.store
-        live = (s.owner[job.slots] == self.index) & (s.neuron_in[job.slots] == job.neurons)
-        self.slot_of[job.neurons[live]] = -1
-        s.neuron_in[job.slots[live]], s.owner[job.slots[live]] = -1, -1
-
-    def _run(self, job: _Job) -> None:
-        """Reader thread: read a job's records, fill its slots, count the bytes."""
-        positions = self.position[job.neurons]
-        result = self.store.file.read(self.layer, self.expert, positions)
-        self.store.fill(job.slots, result, self._halves(job.neurons))
-        c = self.counts
-        records = np.unique(positions).size if self.pairs else positions.size  # both halves of a pair in two slots: one record
-        c["bytes_read"] += result.bytes_read
-        c["records_read"] += records
-        c["record_bytes"] += records * self.record_bytes
-        c["reads"] += result.reads
-
-    def _halves(self, neurons: np.ndarray) -> np.ndarray | None:
-        """For a unit of pair records scattered to bundle slots: which half of its pair each neuron is (bool [n]), else None."""
-        return neurons >= self.intermediate // 2 if self.pairs else None
+from sparseforge.runtime.tiered import COUNTERS, TieredUnit, _Job
+from sparseforge.runtime.units import MLPUnit
+from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader, resident_unit
 
 
 class NeuronStore:
@@ -246,31 +72,41 @@ class NeuronStore:
         for index, (key, ids) in enumerate(self.hot.items()):  # the units' hot ranges in key order, then the pool
             self.offsets[key], at = (index, at), at + int(ids.numel()) // self.per_slot
         self.pool_start = at
-        self.slots = n = at + self.pool_slots
-        with torch.inference_mode(False):  # normal tensors: the reader thread writes them outside inference mode
-            self.bundles = huge_empty((n, rows, self.file.hidden), WEIGHT_DTYPES[self.file.dtype])  # rows read scattered
-            self.scales = torch.empty(n, rows, dtype=torch.float32) if self.file.dtype == "int8" else None
+        self.resident = pool == 0  # the plan holds every neuron: the resident engine's units, no arena, no reader thread
+        self.slots = n = 0 if self.resident else at + self.pool_slots
+        self.bundles = self.scales = None
+        if not self.resident:
+            with torch.inference_mode(False):  # normal tensors: the reader thread writes them outside inference mode
+                self.bundles = huge_empty((n, rows, self.file.hidden), WEIGHT_DTYPES[self.file.dtype])  # rows read scattered
+                self.scales = torch.empty(n, rows, dtype=torch.float32) if self.file.dtype == "int8" else None
         self.neuron_in = np.full(n, -1, dtype=np.int64)  # [S] slot -> neuron id of its owner unit, -1 empty
         self.owner = np.full(n, -1, dtype=np.int64)  # [S] slot -> index of the unit whose neuron it holds
         self.pins = np.zeros(n, dtype=np.int64)  # open requests holding each slot
         self.last_use = np.zeros(n, dtype=np.int64)  # LRU clock per slot
         self.loading = np.zeros(n, dtype=bool)  # a queued read will fill the slot
         self.clock = 0
-        self.units: list[TieredUnit | None] = [None] * len(self.hot)  # by unit index, as `owner` names them
+        self.units: list[MLPUnit | None] = [None] * len(self.hot)  # by unit index, as `owner` names them
         self.wait_seconds = 0.0
         self.io_seconds = 0.0
         self.closed = False
         self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._reader, name="sparseforge-neuron-reader", daemon=True)
-        self._thread.start()
+        self._thread = None if self.resident else threading.Thread(target=self._reader, name="sparseforge-neuron-reader", daemon=True)
+        if self._thread is not None:
+            self._thread.start()
 
-    def __call__(self, layer: int, expert: int, reader=None) -> TieredUnit:
-        """The engine's units factory (runtime/weights.py): the unit's hot bundles are read now."""
+    def __call__(self, layer: int, expert: int, reader=None) -> MLPUnit:
+        """The engine's units factory (runtime/weights.py): the unit's hot bundles are read now; under a plan that
+        holds every neuron, the resident engine's unit (runtime/weights.py resident_unit), which its decode step runs
+        as one native call."""
         if reader is not None and reader.weight_dtype != self.weight_dtype:
             raise SparseforgeError(f"the neuron store holds {self.weight_dtype} bundles, the engine loads {reader.weight_dtype}; "
                                    "pass the same weight_dtype to tiered_units and Engine.load")  # fmt: skip
         index, offset = self.offsets[(layer, expert)]
-        self.units[index] = unit = TieredUnit(self, layer, expert, index, offset, self.hot[(layer, expert)])
+        if self.resident:
+            unit = resident_unit(layer, expert, reader or WeightReader(self.ckpt, self.weight_dtype))
+        else:
+            unit = TieredUnit(self, layer, expert, index, offset, self.hot[(layer, expert)])
+        self.units[index] = unit
         return unit
 
     def fill(self, slots: np.ndarray, result, halves: np.ndarray | None = None) -> None:
@@ -295,30 +131,34 @@ class NeuronStore:
                 self.io_seconds += time.perf_counter() - start
                 job.done.set()
 
-    def loaded(self) -> list[TieredUnit]:
+    def loaded(self) -> list[MLPUnit]:
         """The units the engine has asked for so far."""
         return [u for u in self.units if u is not None]
 
     def resident_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.bundles, self.scales) if t is not None)
+        """Bytes of the arena's slots and row scales (resident units: theirs)."""
+        held = [(u.bundles, u.scales) for u in self.loaded()] if self.resident else [(self.bundles, self.scales)]
+        return sum(t.numel() * t.element_size() for pair in held for t in pair if t is not None)
 
     def stats(self) -> dict:
         """Counters summed over units, hit rate, resident bytes against the plan's MLP budget, the I/O mode."""
         total = dict.fromkeys(COUNTERS, 0)
-        for unit in self.loaded():
+        for unit in [] if self.resident else self.loaded():
             for k in COUNTERS:
                 total[k] += unit.counts[k]
         n = max(total["neurons"], 1)
+        hot = 1.0 if self.resident else total["hot_hits"] / n  # resident units: every neuron a hit, no requests counted
         return {
             **total,
-            "hit_rate": (total["hot_hits"] + total["cache_hits"]) / n,
-            "hot_hit_rate": total["hot_hits"] / n,
+            "resident": self.resident,
+            "hit_rate": hot + total["cache_hits"] / n,
+            "hot_hit_rate": hot,
             "cache_hit_rate": total["cache_hits"] / n,
             "resident_bytes": self.resident_bytes(),
             "mlp_budget_bytes": self.plan["mlp"]["budget_bytes"],
             "hot_neurons": sum(int(h.numel()) for h in self.hot.values()), "hot_slots": self.pool_start,
             "cache_slots": self.pool_slots, "slot_bytes": self.per_neuron * self.per_slot,
-            "load_bytes": sum(u.load_bytes for u in self.loaded()),
+            "load_bytes": self.resident_bytes() if self.resident else sum(u.load_bytes for u in self.loaded()),
             "io": self.file.io, "wait_seconds": self.wait_seconds, "io_seconds": self.io_seconds,
         }
 
@@ -327,8 +167,9 @@ class NeuronStore:
         if self.closed:
             return
         self.closed = True
-        self._queue.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
         self.file.close()
 
     def __enter__(self) -> "NeuronStore":

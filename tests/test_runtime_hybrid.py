@@ -18,7 +18,7 @@ from sparseforge.predictors.store import load_predictors, save_predictors
 from sparseforge.runtime import kernels
 from sparseforge.runtime.engine import Engine, GenerationConfig, open_engine
 from sparseforge.runtime.forward import KVCache
-from sparseforge.runtime.hybrid import device_plan, resolve_device
+from sparseforge.runtime.hybrid import ColdBundles, device_plan, resolve_device
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NATIVE = [True, False] if kernels.native() is not None else [False]
@@ -153,6 +153,10 @@ def test_the_disk_tier_holds_the_neurons_the_device_does_not(llama, mode):
             unit = lw.units[0]
             pinned = unit.inner.slot_of[: unit.intermediate] < engine.model.units.store.pool_start
             assert not (pinned & (unit.inner.slot_of >= 0))[unit.hot.numpy()].any()
+    with open_engine(ckpt, mode=mode, context=32, progress=False, device=DEVICE, device_memory="25%", fast_memory="100%") as engine:
+        assert engine.model.units.store.resident  # room for every neuron: the CPU part is in memory, as without a store
+        assert all(isinstance(lw.units[0].inner, ColdBundles) for lw in engine.model.weights.layers)
+        assert list(engine.generate(prompt, config)) == want
 
 
 def test_device_plan_reserves_no_predictors_or_head_screen(llama):
