@@ -305,8 +305,10 @@ def format_plan(plan: dict) -> str:
         f"{human_bytes(plan['mlp']['resident_bytes'])} of {human_bytes(plan['mlp']['total_bytes'])} "
         f"({100 * plan['mlp']['resident_fraction']:.1f}%)",
         f"expected hit rate {_pct(plan['expected_hit_rate'])}, cold bytes/token {human_bytes(int(plan['expected_cold_bytes_per_token']))}",
-        "layer  hot  hit %",
     ]
+    if plan["mlp"]["hot_neurons"] >= plan["mlp"]["neurons"] and not plan.get("excluded"):
+        lines.append("every neuron fits: an engine under this plan holds its MLPs in memory as without --fast-memory (no neuron store reads)")
+    lines.append("layer  hot  hit %")
     lines += [f"{row['layer']:>5}  {row['hot_count']:>4}  {_pct(row['hit_rate'])}" for row in plan["layers"]]
     return "\n".join(lines)
 

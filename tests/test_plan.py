@@ -223,7 +223,8 @@ def test_cli_writes_plans_and_powerinfer_index(llama, tmp_path, capsys):
     pi = tmp_path / "pi"
     assert main(["plan", str(ckpt), "--fast-memory", "25%", "--context", "64", "--out", "plan-25pct.json",
                  "--powerinfer-gpu-index", str(pi)]) == 0  # fmt: skip
-    assert "expected hit rate" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "expected hit rate" in out and "every neuron fits" not in out
     plan = load_plan(ckpt, "plan-25pct.json")
     assert plan["format_version"] == 1 and plan["fast_memory"] == "25%" and plan["context"] == 64
     assert json.loads((ckpt / "plan-25pct.json").read_text()) == plan
@@ -244,6 +245,8 @@ def test_cli_writes_plans_and_powerinfer_index(llama, tmp_path, capsys):
     vram = reader.fields["split.vram_capacity"]
     assert int(vram.parts[vram.data[0]][0]) == plan["mlp"]["resident_bytes"]
 
+    assert main(["plan", str(ckpt), "--fast-memory", "100%", "--out", "plan-all.json"]) == 0
+    assert "every neuron fits" in capsys.readouterr().out  # the store runs such a plan's MLPs resident (runtime/store.py)
     assert main(["plan", str(ckpt), "--fast-memory", "1GiB", "--quiet"]) == 0
     assert load_plan(ckpt)["budget_bytes"] == 2**30
 
