@@ -42,7 +42,7 @@ from sparseforge.runtime.bundles import MERGE_GAP, BundleFile, ensure_bundles
 from sparseforge.runtime.pages import huge_empty
 from sparseforge.runtime.plan import PlanRequest, hot_counts, load_plan, make_plan, placement_ranks
 from sparseforge.runtime.sizes import human_bytes, parse_size
-from sparseforge.runtime.tiered import COUNTERS, TieredUnit, _Job
+from sparseforge.runtime.tiered import COUNTERS, ReadJob, TieredUnit
 from sparseforge.runtime.units import MLPUnit
 from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader, resident_unit
 
@@ -113,7 +113,7 @@ class NeuronStore:
         """Copy read records into arena slots (halves: pair records, BundleFile.scatter)."""
         self.file.scatter(result.records, slots, self.bundles, self.scales, halves)
 
-    def submit(self, job: _Job) -> None:
+    def submit(self, job: ReadJob) -> None:
         self._queue.put(job)
 
     def _reader(self) -> None:

@@ -19,7 +19,7 @@ COUNTERS = ("requests", "neurons", "hot_hits", "cache_hits", "misses", "eviction
 
 
 @dataclass
-class _Job:
+class ReadJob:
     """One batch of cold bundles for the reader thread."""
 
     unit: "TieredUnit"
@@ -51,7 +51,7 @@ class TieredUnit:
         self.record_bytes = f.record_bytes(layer, expert)
         self.keys = self.intermediate // 2 if self.records else self.intermediate  # what a slot holds: a pair, or a neuron
         self.slot_of = np.full(self.keys, -1, dtype=np.int64)  # [keys] pair or neuron -> arena slot, -1 not resident
-        self.jobs: list[_Job] = []
+        self.jobs: list[ReadJob] = []
         self.counts = dict.fromkeys(COUNTERS, 0)
         keys = np.unique(self._key(hot.numpy()))  # slots in neuron order: the kernels then walk the hot slots sequentially
         # a request of k neurons needs min(k, cold keys) free pool slots
@@ -124,7 +124,7 @@ class TieredUnit:
 
     # ---------------------------------------------------------------- cache mechanics
 
-    def _load(self, neurons: np.ndarray) -> _Job:
+    def _load(self, neurons: np.ndarray) -> ReadJob:
         """Claim pool slots for `neurons` (slot keys: pairs in an arena of pair records; LRU victims among unpinned
         slots, of any unit): their read job, for request() to queue."""
         s, m = self.store, neurons.size
@@ -147,11 +147,11 @@ class TieredUnit:
         s.pins[victims] += 1
         s.last_use[victims] = s.clock
         s.loading[victims] = True
-        job = _Job(self, neurons, victims)
+        job = ReadJob(self, neurons, victims)
         self.jobs = [j for j in self.jobs if not j.done.is_set()] + [job]
         return job
 
-    def _wait(self, jobs: list[_Job], neurons: np.ndarray, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _wait(self, jobs: list[ReadJob], neurons: np.ndarray, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         start = time.perf_counter()
         for job in jobs:
             job.done.wait()
@@ -162,21 +162,21 @@ class TieredUnit:
                 raise job.error
         return torch.from_numpy(neurons), torch.from_numpy(slots)
 
-    def _unpin(self, pinned: np.ndarray, jobs: list[_Job]) -> None:
+    def _unpin(self, pinned: np.ndarray, jobs: list[ReadJob]) -> None:
         for job in jobs:  # no read may still write into a slot once it can be evicted
             job.done.wait()
             if job.error is not None:
                 self._forget(job)
         self.store.pins[pinned] -= 1
 
-    def _forget(self, job: _Job) -> None:
+    def _forget(self, job: ReadJob) -> None:
         """A failed read left its slots without data: mark them empty."""
         s = self.store
         live = (s.owner[job.slots] == self.index) & (s.neuron_in[job.slots] == job.neurons)
         self.slot_of[job.neurons[live]] = -1
         s.neuron_in[job.slots[live]], s.owner[job.slots[live]] = -1, -1
 
-    def _run(self, job: _Job) -> None:
+    def _run(self, job: ReadJob) -> None:
         """Reader thread: read a job's records, fill its slots, count the bytes."""
         positions = self.position[job.neurons]
         result = self.store.file.read(self.layer, self.expert, positions)
