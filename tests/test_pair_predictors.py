@@ -343,6 +343,11 @@ def test_an_arena_of_pair_records_computes_listed_halves_as_the_resident_engine(
             torch.testing.assert_close(y, want[0], atol=1e-5, rtol=1e-5)
             assert counts[0] == 3  # three pairs' gate rows for four halves
         req.release()
+        again = unit.request(torch.tensor([3, half + 3, 5, half + 9]))  # resident now; pair 3's slot named twice
+        held = unit.slot_of[[3, 5, 9]]
+        assert (held >= store.pool_start).any() and not again.wait()[0].numel() and (store.pins[held[held >= store.pool_start]] == 1).all()
+        again.release()
+        assert (store.pins == 0).all()
     with tiered_units(ckpt, "25%", "float32", context=32, min_cold_slots=16, io="cached", progress=False, pair_slots=False) as store:
         assert not store.records and store.bundles.shape[1] == 3  # each half in a bundle slot of its own
         engine = Engine.load(ckpt, mode="sparse", context=32, units=store, native=native, progress=False)

@@ -250,7 +250,9 @@ def test_lru_keeps_the_recently_used_and_pins_open_requests(llama):
         _run_requests(unit, _unit_reference(llama, 0, 0, "float32")[0], [a, b])  # the 16 cache slots are full
         r = unit.request(a[:4])  # hits: a[:4] becomes most recent; a[4:] are now the least recent
         assert torch.equal(r.ready_neurons.sort().values, a[:4].sort().values) and not r.wait()[0].numel()
+        assert (store.pins[unit.slot_of[a[:4]]] == 1).all()  # cached hits stay pinned while the request is open
         r.release()
+        assert (store.pins == 0).all()
         held = unit.request(cold[16:20])  # 4 misses evict 4 of a[4:10] (all last used at the same step)
         held.wait()
         assert int((unit.slot_of[a[4:]] < 0).sum()) == 4
