@@ -182,7 +182,8 @@ class SplitUnits:
         if plan["num_experts"] != 1:
             raise SparseforgeError(f"the checkpoint has {plan['num_experts']} experts per layer; the hybrid device tier supports dense MLPs "
                                    "only: run it without --device (CPU engine, with --fast-memory for the disk tier)")  # fmt: skip
-        self.hot_of, self.device, self.threads, self.native, self.store = device_hot(plan), device, threads, native, store
+        self.hot_of, self.device, self.threads, self.native = device_hot(plan), device, threads, native
+        self.store = None if store is None or store.resident else store  # a store whose plan holds every neuron: the CPU part in memory
         self.hot_pairs = bool(plan.get("tied_pairs"))  # the plan holds whole tied pairs (device_plan)
         self.plan = None if store is None else store.plan  # what the engine checks its CPU reserve against
 
@@ -192,7 +193,7 @@ class SplitUnits:
         linear = (lambda w: _device_linear(w, reader.weight_dtype, self.device, self.threads, self.native))  # fmt: skip
         rows = _hot_pairs(layer, hot, gate, up) if self.hot_pairs else hot  # the gate and up rows the device holds
         gate_up, down_hot = linear(torch.cat([gate[rows], up[rows]])), linear(down[:, hot])
-        if self.store is not None and not self.store.resident:  # a store whose plan holds every neuron: its CPU part is ColdBundles
+        if self.store is not None:
             return SplitUnit(hot, gate_up, down_hot, self.store(layer, expert, reader), self.hot_pairs)
         cold = torch.ones(gate.shape[0], dtype=torch.bool)
         cold[hot] = False
