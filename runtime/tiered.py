@@ -86,25 +86,21 @@ class TieredUnit:
         c["requests"], c["neurons"] = c["requests"] + 1, c["neurons"] + k
         keys = self._key(ids)
         slots = self.slot_of[keys]
-        if k and slots.min() >= 0:
-            cached = slots >= s.pool_start
-            if not cached.any():  # all hot: never evicted nor loading, nothing to pin
-                c["hot_hits"] += k
-                return Request(neurons, torch.from_numpy(self._named(ids, slots)))
-            held = slots[cached]  # a pair's slot may come twice: an index assignment changes it once, pinning and unpinning alike
-            if not s.loading[held].any():  # hot or cached, no read in flight: pin the cached, nothing to wait for
-                n_cached = int(np.count_nonzero(cached))
-                c["hot_hits"], c["cache_hits"] = c["hot_hits"] + k - n_cached, c["cache_hits"] + n_cached
-                s.pins[held] += 1
-                s.last_use[held] = s.clock
-                return Request(neurons, torch.from_numpy(self._named(ids, slots)), None, lambda: self._unpin(held, []))
-        resident = slots >= 0
         cached = slots >= s.pool_start
-        n_cached = int(np.count_nonzero(cached))
+        held = slots[cached]  # cached slots to pin; a pair's may come twice: an index assignment changes it once, pinning and unpinning alike
+        if k and slots.min() >= 0 and not s.loading[held].any():  # every neuron resident, no read in flight: nothing to wait for
+            c["hot_hits"], c["cache_hits"] = c["hot_hits"] + k - held.size, c["cache_hits"] + held.size
+            named = torch.from_numpy(self._named(ids, slots))
+            if not held.size:  # all hot: never evicted nor loading, nothing to pin
+                return Request(neurons, named)
+            s.pins[held] += 1
+            s.last_use[held] = s.clock
+            return Request(neurons, named, None, lambda: self._unpin(held, []))
+        resident = slots >= 0
+        n_cached = held.size
         c["hot_hits"] += int(np.count_nonzero(resident)) - n_cached
         c["cache_hits"] += n_cached
         c["misses"] += k - int(np.count_nonzero(resident))
-        held = np.unique(slots[cached]) if self.records else slots[cached]  # both halves of a pair: its slot once
         s.pins[held] += 1
         s.last_use[held] = s.clock
         late = cached & s.loading[np.maximum(slots, 0)]  # cached, but an earlier request's read is still running
