@@ -183,7 +183,7 @@ def main() -> None:
     p.add_argument("--eager-budgets", nargs="*", default=[], help="budgets also run with the eager decode step (no device graphs: "
                    "runtime/graphs.py) beside the graphed one")
     p.add_argument("--hf-budgets", nargs="*", default=["25%"], help="budgets at which HF accelerate offload runs (CUDA)")
-    p.add_argument("--mode", default="sparse", choices=("sparse", "oracle", "dense"), help="the project's engines' mode")
+    p.add_argument("--mode", default="sparse", choices=("sparse", "screen", "oracle", "dense"), help="the project's engines' mode")
     p.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16", "int8"),
                    help="weight dtype of every engine (default: float32 for --ckpt, float16 for --shapes)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads of the project's engines")

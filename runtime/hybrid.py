@@ -8,7 +8,7 @@ but not the predictors or the head screen, which stay on the CPU with the cold n
 neurons. Each MLP becomes a `SplitUnit`: the hot neurons as two dense matrices on the device (gate and up rows
 stacked [2h, H], down columns [H, h]; on a checkpoint of tied halves whole pairs, each pair's one gate and one up row,
 so a hot pair costs four rows, not six), computed in full for every row, so the hot part is exact whatever the mode; and
-the cold neurons' bundles on the CPU, served through the units contract (runtime/units.py) to runtime/mlp.py, which
+the cold neurons' bundles on the CPU (pair records where they are whole pairs of tied halves), served through the units contract (runtime/units.py) to runtime/mlp.py, which
 computes the cold part in the engine's mode (the predictor's, the screen's or all cold neurons) with the native
 kernels. Per layer (`HybridMLP`): the normed MLP input and the residual are copied to the CPU, the device's part is
 queued, the CPU computes the cold part meanwhile (a CUDA device runs its queue while the CPU works), and both are
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from sparseforge.errors import SparseforgeError
-from sparseforge.runtime.units import Request, convert_bundles, make_bundles, tied_bundles
+from sparseforge.runtime.units import Request, convert_bundles, make_bundles, pair_records, tied_bundles
 from sparseforge.runtime.weights import WEIGHT_DTYPES, Linear, convert
 
 
@@ -87,26 +87,38 @@ def cpu_plan(ckpt, fast_memory: str, device_memory: str | None, weight_dtype: st
 
 
 class ColdBundles:
-    """The CPU's part of a unit when every cold neuron is in memory: their bundles [c, 3, H] in slots 0..c-1 (the order
-    of `cold_ids`), requested by neuron id (runtime/units.py's contract). `pairs`: the pairs (j, I/2 + j) with both
-    halves cold are tied halves (runtime/units.py tied_bundles, checked on the bundles as stored), which runtime/mlp.py
-    computes from one gate and one up row each."""
+    """The CPU's part of a unit when every cold neuron is in memory, requested by neuron id (runtime/units.py's
+    contract). When the cold neurons are whole pairs of tied halves (j and I/2 + j both cold, checked on the bundles as
+    stored: runtime/units.py tied_bundles), as a device plan of tied pairs leaves them, they are held as pair records
+    [P, 4, H] (`records`: runtime/units.py pair_records, two thirds of the halves' bundles), pair j's first half named
+    p and its second P + p, as the kernels list halves of pair records; each listed pair is computed from its one gate
+    and one up row. Else their bundles [c, 3, H] in slots 0..c-1 (the order of `cold_ids`), and `pairs` says the pairs
+    with both halves cold are tied halves, which runtime/mlp.py computes from one gate and one up row each."""
 
     local = None  # the SplitUnit around it says which neurons are its
     tied = False  # only the cold neurons are held
 
     def __init__(self, layer: int, expert: int, cold_ids: torch.Tensor, bundles: torch.Tensor, scales, channels, intermediate: int):
-        self.layer, self.expert = layer, expert
-        self.bundles, self.scales, self.channels = bundles, scales, channels
+        self.layer, self.expert, self.channels = layer, expert, channels
         self.intermediate, self.hidden = intermediate, bundles.shape[-1]
         self.capacity = max(int(cold_ids.numel()), 1)
-        self.fixed_slots = torch.full((intermediate,), -1, dtype=torch.long)  # [I] a neuron's slot, -1: the device's
-        self.fixed_slots[cold_ids] = torch.arange(cold_ids.numel())
+        slot = torch.full((intermediate,), -1, dtype=torch.long)  # [I] a neuron's row in `bundles`, -1: the device's
+        slot[cold_ids] = torch.arange(cold_ids.numel())
         half = intermediate // 2
-        first, second = self.fixed_slots[:half], self.fixed_slots[half : 2 * half]
+        first, second = slot[:half], slot[half : 2 * half]
         both = (first >= 0) & (second >= 0)
         whole = (lambda t: None if t is None else torch.cat([t[first[both]], t[second[both]]]))  # fmt: skip
-        self.pairs = intermediate % 2 == 0 and bool(both.any()) and tied_bundles(whole(bundles), whole(scales))
+        tied = intermediate % 2 == 0 and bool(both.any()) and tied_bundles(whole(bundles), whole(scales))
+        self.records = tied and 2 * int(both.sum()) == cold_ids.numel()  # every cold neuron in a whole pair
+        self.pairs = tied and not self.records  # tied halves in two bundle slots (MLPUnit.pairs)
+        self.fixed_slots = slot  # [I] a neuron's slot (its kernel name over pair records), -1: the device's
+        if self.records:
+            pairs = both.nonzero().flatten()  # ascending j: record p holds pair pairs[p]
+            bundles, scales = pair_records(whole(bundles), whole(scales))
+            self.fixed_slots = torch.full((intermediate,), -1, dtype=torch.long)
+            self.fixed_slots[pairs] = torch.arange(pairs.numel())
+            self.fixed_slots[pairs + half] = pairs.numel() + torch.arange(pairs.numel())
+        self.bundles, self.scales = bundles, scales
 
     def request(self, neurons: torch.Tensor) -> Request:
         return Request(ready_neurons=neurons, ready_slots=self.fixed_slots[neurons])

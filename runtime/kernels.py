@@ -46,7 +46,7 @@ _SIGNATURES = {
     "sf_matvec": (_int, [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p, _int]),
     "sf_predict": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _i64, _p, _f32, _p, _p, _int]),
     "sf_sparse_mlp": (_int, [_p, _p, _p, _int, _i64, _p, _i64, _int, _i64, _p, _p, _int, _f32, _f32, _p, _p, _int]),
-    "sf_predict_mlp": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _int, _p, _f32, _p, _p, _p, _p, _p, _p, _int, _i64, _p, _int, _f32, _f32, _p, _p, _int, _p, _int]),
+    "sf_predict_mlp": (_i64, [_p, _p, _p, _p, _int, _i64, _i64, _int, _p, _f32, _p, _p, _p, _p, _p, _p, _int, _i64, _p, _int, _f32, _f32, _p, _p, _int, _i64, _p, _int]),
     "sf_gated_act": (_i64, [_p, _i64, _int, _f32, _p]),
     "sf_mlp_screen": (_i64, [_p, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _p, _int, _f32, _p, _p, _p, _int, _int]),
     "sf_attention_decode": (None, [_p, _p, _p, _p, _f32, _i64, _p, _p, _p, _p, _p, _p, _int, _p, _p, _p, _p, _p, _p, _int, _i64, _i64, _i64, _i64, _i64, _i64, _p, _int]),
@@ -277,13 +277,18 @@ def predict_mlp_native(fc1: Weights, fc2t: Weights, p_threshold: float, resid: t
     (slot_of: int64 [I], a neuron's slot in bundles, < 0 for one computed elsewhere), then sparse_mlp_native over their
     slots into y, in one native call; ids: int64 [I] scratch; seconds += the predictor's seconds. Returns the number of
     neurons computed. paired (pairs only): any two slots holding neurons j and I/2 + j hold tied halves (runtime/units.py
-    MLPUnit.pairs), so a predicted pair with both halves here is computed from one gate and one up row."""
+    MLPUnit.pairs), so a predicted pair with both halves here is computed from one gate and one up row. Over pair
+    records [S, 4, H] (runtime/units.py pair_records) slot_of names halves as sparse_mlp_native lists them (s the first
+    half of record s, S + s its second), and a pair with both halves listed is computed from its one gate and one up row."""
     (w1, s1), (w2, s2) = fc1, fc2t
+    kind, half = mlp_kind(bundles)
+    if kind not in (MLP_NEURONS, MLP_PAIR_HALVES):
+        raise ValueError("sf_predict_mlp takes bundles [S, 3, H] or pair records [S, 4, H]")
     n = native().sf_predict_mlp(
         w1.data_ptr(), ptr(s1), w2.data_ptr(), ptr(s2), DTYPE_CODES[w1.dtype], w1.shape[0], w2.shape[1], int(pairs), resid.data_ptr(), p_threshold,
         slot_of.data_ptr(), ids.data_ptr(), scratch.data_ptr(), bundles.data_ptr(), ptr(scales), ptr(channels), DTYPE_CODES[bundles.dtype],
         bundles.shape[-1], x.data_ptr(), ACT_CODES[activation.kind], activation.threshold, out_scale, y.data_ptr(), counts.data_ptr(),
-        int(pairs and paired), ctypes.byref(seconds), threads,
+        int(pairs and paired and not half), half, ctypes.byref(seconds), threads,
     )  # fmt: skip
     if n < 0:
         raise MemoryError(f"sf_predict_mlp could not allocate its lists for the neurons of a {bundles.shape[0]}-slot unit")

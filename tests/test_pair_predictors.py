@@ -184,32 +184,44 @@ def test_the_fused_predictor_and_mlp_call_takes_both_halves_of_each_predicted_pa
 @pytest.mark.skipif(not NATIVE, reason="native kernels did not build")
 @pytest.mark.parametrize("mode,dtype", [("sparse", "float32"), ("oracle", "float32"), ("screen", "float32"), ("sparse", "int8"), ("oracle", "int8")])
 def test_a_hybrid_cpu_part_computes_its_whole_cold_pairs_a_pair_at_a_time(tied_pairs_ckpt, mode, dtype, monkeypatch):
-    """A hybrid engine's CPU part whose cold pairs are tied halves (runtime/hybrid.py ColdBundles.pairs) computes each
-    pair with both halves chosen from one gate and one up row (the fused predictor call's pairs, sf_sparse_mlp's second
-    halves' slots for the screen's and the oracle's neurons, tied_mlp_torch for several rows): the logits of the CPU
-    part computing every half alone, decode and prefill, the same neurons, fewer rows read."""
+    """A hybrid engine's CPU part whose cold neurons are tied halves (runtime/hybrid.py ColdBundles) computes each pair
+    with both halves chosen from one gate and one up row: as pair records when the device holds whole pairs (its plan
+    of tied pairs), else in two bundle slots (`pairs`: the fused predictor call's pairs, sf_sparse_mlp's second halves'
+    slots, tied_mlp_torch for several rows). Each gives the logits of the same split with every half computed alone,
+    decode and prefill, the same neurons, fewer rows read; the records take two thirds of the bundles' bytes."""
     from sparseforge.runtime import hybrid
 
     ckpt, ids = tied_pairs_ckpt[0], torch.tensor(random_windows(1, 12, seed=6))
-    runs, tied_calls, real = {}, [], kernels.tied_mlp_torch
-    monkeypatch.setattr(kernels, "tied_mlp_torch", lambda *a, **k: tied_calls.append(1) or real(*a, **k))
-    for layout in ("pairs", "neurons"):
-        if layout == "neurons":
-            monkeypatch.setattr(hybrid, "tied_bundles", lambda bundles, scales: False)
-        engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=32, progress=False, device="cpu", device_memory="30%")
-        units = [lw.units[0] for lw in engine.model.weights.layers]
-        half = units[0].intermediate // 2
-        whole = [int(((u.fixed_slots[:half] >= 0) & (u.fixed_slots[half:] >= 0)).sum()) for u in units]
-        assert all(0 < k < half for k in whole)  # some pairs are whole on the CPU, some are not
-        assert all(u.pairs == (layout == "pairs") for u in units)
-        calls = len(tied_calls)
-        runs[layout] = (*_decode(engine, ids), engine.forward(ids, engine.new_cache(1)))
-        assert (len(tied_calls) > calls) == (layout == "pairs")  # the prefill's rows
-    (got, a, got_prefill), (want, b, want_prefill) = runs["pairs"], runs["neurons"]
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got_prefill, want_prefill, atol=1e-5, rtol=1e-5)
-    assert a["decode_neurons_computed_fraction"] == pytest.approx(b["decode_neurons_computed_fraction"])
-    assert a["bytes_touched_per_decode_token"] < b["bytes_touched_per_decode_token"]
+    tied_device_plan, real_tied = hybrid.device_plan, hybrid.tied_bundles
+
+    def untied_device_plan(*args, **kwargs):  # the device's neurons one by one, a hot pair's second half left cold: a lone half on the CPU
+        plan = tied_device_plan(*args, **kwargs)
+        plan["tied_pairs"] = False
+        for row in plan["layers"]:
+            row["hot"] = [j for j in row["hot"] if j != max(row["hot"])]
+        return plan
+
+    for plan, layout in ((tied_device_plan, "records"), (untied_device_plan, "pairs")):
+        monkeypatch.setattr(hybrid, "device_plan", plan)
+        runs = {}
+        for held in (layout, "neurons"):
+            monkeypatch.setattr(hybrid, "tied_bundles", real_tied if held == layout else (lambda bundles, scales: False))
+            engine = Engine.load(ckpt, mode=mode, weight_dtype=dtype, context=32, progress=False, device="cpu", device_memory="30%")
+            units = [lw.units[0].inner for lw in engine.model.weights.layers]
+            half = units[0].intermediate // 2
+            cold = [u.fixed_slots >= 0 for u in units]
+            whole = [int((c[:half] & c[half:]).sum()) for c in cold]
+            assert all(0 < k < half for k in whole)  # some pairs are whole on the CPU, some are on the device
+            assert all(u.records == (held == "records") and u.pairs == (held == "pairs") for u in units)
+            if held == "records":
+                assert all(u.bundles.shape == (k, 4, u.hidden) and 2 * k == int(c.sum()) for u, k, c in zip(units, whole, cold))
+            runs[held] = (*_decode(engine, ids), engine.forward(ids, engine.new_cache(1)), sum(u.bundles.numel() for u in units))
+        (got, a, got_prefill, got_size), (want, b, want_prefill, want_size) = runs[layout], runs["neurons"]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_prefill, want_prefill, atol=1e-5, rtol=1e-5)
+        assert a["decode_neurons_computed_fraction"] == pytest.approx(b["decode_neurons_computed_fraction"])
+        assert a["bytes_touched_per_decode_token"] < b["bytes_touched_per_decode_token"]
+        assert (got_size * 3 == want_size * 2) if layout == "records" else got_size == want_size
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])

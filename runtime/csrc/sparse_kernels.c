@@ -994,11 +994,14 @@ static int64_t pair_neurons(int64_t *ids, int64_t n, int64_t half) {
  * of neurons computed, or -1 when sf_sparse_mlp could not allocate.
  * paired (with pairs): the unit's halves are tied halves wherever both have slots (runtime/units.py MLPUnit.pairs); a
  * predicted pair whose halves both have slots is computed from its one gate and one up row (sf_sparse_mlp with the
- * second halves' slots), a half whose other half has no slot here alone. */
+ * second halves' slots), a half whose other half has no slot here alone.
+ * half > 0: bundles are `half` pair records [half, 4, H] (runtime/units.py pair_records) of whole pairs and slot_of
+ * names halves as sf_sparse_mlp's MLP_PAIR_HALVES lists them (s the first half of record s, half + s its second);
+ * paired is then 0, and predicted pairs are computed a record at a time (MLP_PAIRS). */
 int64_t sf_predict_mlp(const void *fc1, const float *s1, const void *fc2t, const float *s2, int p_dtype, int64_t rank, int64_t inter,
                        int pairs, const float *resid, float p_threshold, const int64_t *slot_of, int64_t *ids, float *p_scratch,
                        const void *bundles, const float *scales, const float *channels, int dtype, int64_t hidden, const float *x, int act,
-                       float threshold, float out_scale, float *y, int64_t *counts, int paired, double *predictor_seconds, int nthreads) {
+                       float threshold, float out_scale, float *y, int64_t *counts, int paired, int64_t half, double *predictor_seconds, int nthreads) {
     double t0 = seconds_now();
     int64_t n = sf_predict(fc1, s1, fc2t, s2, p_dtype, rank, hidden, inter, resid, p_threshold, ids, p_scratch, nthreads), m = 0;
     if (pairs && paired) {  /* first halves' slots over ids[0..], second halves' from ids[inter], lone halves' from the end down (m + nl <= n <= inter) */
@@ -1021,11 +1024,19 @@ int64_t sf_predict_mlp(const void *fc1, const float *s1, const void *fc2t, const
         if (!rc) rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, end, nl, MLP_NEURONS, 0, NULL, x, act, threshold, out_scale, y, counts, nthreads);
         return rc ? -1 : 2 * m + nl;
     }
+    if (pairs && half) {  /* pair records hold whole pairs: each predicted pair's record, both halves from its one gate and one up row */
+        for (int64_t i = 0; i < n; i++)
+            if (slot_of[ids[i]] >= 0) ids[m++] = slot_of[ids[i]];
+        *predictor_seconds += seconds_now() - t0;
+        int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, MLP_PAIRS, half, NULL, x, act, threshold, out_scale, y, counts, nthreads);
+        return rc ? -1 : 2 * m;
+    }
     if (pairs) n = pair_neurons(ids, n, inter);
     for (int64_t i = 0; i < n; i++)
         if (slot_of[ids[i]] >= 0) ids[m++] = slot_of[ids[i]];
     *predictor_seconds += seconds_now() - t0;
-    int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, MLP_NEURONS, 0, NULL, x, act, threshold, out_scale, y, counts, nthreads);
+    int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, half ? MLP_PAIR_HALVES : MLP_NEURONS, half, NULL, x, act, threshold, out_scale, y,
+                           counts, nthreads);
     return rc ? -1 : m;
 }
 
