@@ -102,23 +102,20 @@ class ColdBundles:
         self.layer, self.expert, self.channels = layer, expert, channels
         self.intermediate, self.hidden = intermediate, bundles.shape[-1]
         self.capacity = max(int(cold_ids.numel()), 1)
-        slot = torch.full((intermediate,), -1, dtype=torch.long)  # [I] a neuron's row in `bundles`, -1: the device's
+        slot = torch.full((intermediate,), -1, dtype=torch.long)  # [I] a neuron's slot (its kernel name over pair records), -1: the device's
         slot[cold_ids] = torch.arange(cold_ids.numel())
         half = intermediate // 2
         first, second = slot[:half], slot[half : 2 * half]
         both = (first >= 0) & (second >= 0)
-        whole = (lambda t: None if t is None else torch.cat([t[first[both]], t[second[both]]]))  # fmt: skip
-        tied = intermediate % 2 == 0 and bool(both.any()) and tied_bundles(whole(bundles), whole(scales))
+        whole = [None if t is None else torch.cat([t[first[both]], t[second[both]]]) for t in (bundles, scales)]  # the whole pairs' bundles
+        tied = intermediate % 2 == 0 and bool(both.any()) and tied_bundles(*whole)
         self.records = tied and 2 * int(both.sum()) == cold_ids.numel()  # every cold neuron in a whole pair
         self.pairs = tied and not self.records  # tied halves in two bundle slots (MLPUnit.pairs)
-        self.fixed_slots = slot  # [I] a neuron's slot (its kernel name over pair records), -1: the device's
         if self.records:
             pairs = both.nonzero().flatten()  # ascending j: record p holds pair pairs[p]
-            bundles, scales = pair_records(whole(bundles), whole(scales))
-            self.fixed_slots = torch.full((intermediate,), -1, dtype=torch.long)
-            self.fixed_slots[pairs] = torch.arange(pairs.numel())
-            self.fixed_slots[pairs + half] = pairs.numel() + torch.arange(pairs.numel())
-        self.bundles, self.scales = bundles, scales
+            bundles, scales = pair_records(*whole)
+            slot[pairs], slot[pairs + half] = torch.arange(pairs.numel()), pairs.numel() + torch.arange(pairs.numel())
+        self.fixed_slots, self.bundles, self.scales = slot, bundles, scales
 
     def request(self, neurons: torch.Tensor) -> Request:
         return Request(ready_neurons=neurons, ready_slots=self.fixed_slots[neurons])

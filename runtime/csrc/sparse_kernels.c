@@ -1024,20 +1024,14 @@ int64_t sf_predict_mlp(const void *fc1, const float *s1, const void *fc2t, const
         if (!rc) rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, end, nl, MLP_NEURONS, 0, NULL, x, act, threshold, out_scale, y, counts, nthreads);
         return rc ? -1 : 2 * m + nl;
     }
-    if (pairs && half) {  /* pair records hold whole pairs: each predicted pair's record, both halves from its one gate and one up row */
-        for (int64_t i = 0; i < n; i++)
-            if (slot_of[ids[i]] >= 0) ids[m++] = slot_of[ids[i]];
-        *predictor_seconds += seconds_now() - t0;
-        int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, MLP_PAIRS, half, NULL, x, act, threshold, out_scale, y, counts, nthreads);
-        return rc ? -1 : 2 * m;
-    }
-    if (pairs) n = pair_neurons(ids, n, inter);
+    const int records = pairs && half;  /* pair records of whole pairs: a predicted pair's first half names its record */
+    if (pairs && !records) n = pair_neurons(ids, n, inter);
     for (int64_t i = 0; i < n; i++)
         if (slot_of[ids[i]] >= 0) ids[m++] = slot_of[ids[i]];
     *predictor_seconds += seconds_now() - t0;
-    int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, half ? MLP_PAIR_HALVES : MLP_NEURONS, half, NULL, x, act, threshold, out_scale, y,
-                           counts, nthreads);
-    return rc ? -1 : m;
+    const int kind = records ? MLP_PAIRS : half ? MLP_PAIR_HALVES : MLP_NEURONS;
+    int rc = sf_sparse_mlp(bundles, scales, channels, dtype, hidden, ids, m, kind, half, NULL, x, act, threshold, out_scale, y, counts, nthreads);
+    return rc ? -1 : records ? 2 * m : m;
 }
 
 /* ---- the neurons of a ReLU-family MLP that an int8 screen cannot prove zero (runtime/screen.py) ----
