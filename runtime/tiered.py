@@ -88,21 +88,15 @@ class TieredUnit:
         slots = self.slot_of[keys]
         cached = slots >= s.pool_start
         held = slots[cached]  # cached slots to pin; a pair's may come twice: an index assignment changes it once, pinning and unpinning alike
-        if k and slots.min() >= 0 and not s.loading[held].any():  # every neuron resident, no read in flight: nothing to wait for
-            c["hot_hits"], c["cache_hits"] = c["hot_hits"] + k - held.size, c["cache_hits"] + held.size
-            named = torch.from_numpy(self._named(ids, slots))
-            if not held.size:  # all hot: never evicted nor loading, nothing to pin
-                return Request(neurons, named)
+        resident = slots >= 0
+        n_resident = int(np.count_nonzero(resident))
+        c["hot_hits"], c["cache_hits"], c["misses"] = c["hot_hits"] + n_resident - held.size, c["cache_hits"] + held.size, c["misses"] + k - n_resident
+        if held.size:
             s.pins[held] += 1
             s.last_use[held] = s.clock
-            return Request(neurons, named, None, lambda: self._unpin(held, []))
-        resident = slots >= 0
-        n_cached = held.size
-        c["hot_hits"] += int(np.count_nonzero(resident)) - n_cached
-        c["cache_hits"] += n_cached
-        c["misses"] += k - int(np.count_nonzero(resident))
-        s.pins[held] += 1
-        s.last_use[held] = s.clock
+        if n_resident == k and not s.loading[held].any():  # every neuron resident, no read in flight: nothing to wait for
+            named = torch.from_numpy(self._named(ids, slots))
+            return Request(neurons, named, None, lambda: self._unpin(held, [])) if held.size else Request(neurons, named)  # all hot: nothing pinned
         late = cached & s.loading[np.maximum(slots, 0)]  # cached, but an earlier request's read is still running
         ready = resident & ~late
         missing = ~resident
