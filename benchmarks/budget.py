@@ -172,7 +172,7 @@ def main() -> None:
         for c in contestants:
             runs[id(c)].append(c.run(ids, args.hf_new_tokens if isinstance(c, Offload) else args.new_tokens))
             print(f"rep {rep}: {c.name}: {runs[id(c)][-1]}", file=sys.stderr, flush=True)
-    store = next((c.store for c in contestants if isinstance(c, Tiered) and c.store), None)
+    store = next((c.store for c in contestants if isinstance(c, Tiered) and c.store and c.store.file), None)  # one that reads the bundle file
     disk = read_bandwidth(store.file.path) if store else None
     device_gbs = max(v for k, v in disk.items() if k != "io") if disk else None
     rows = []

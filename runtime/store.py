@@ -26,7 +26,8 @@ the layer at hand can hold all its misses in one request (one read job per layer
 bytes = arena slots x slot bytes <= mlp.budget_bytes, checked. A token whose predicted neurons exceed a unit's
 `capacity` is computed in chunks in file order (`unit.position[neurons]`), so each chunk's misses are a few long reads.
 A plan that holds every neuron (`store.resident`) needs no slots: the store hands out the resident engine's units, whose
-decode step is one native call (runtime/decode.py LeanStep), and starts no reader thread.
+decode step is one native call (runtime/decode.py LeanStep), starts no reader thread and, where the plan's own bytes a
+neuron say so, neither builds nor opens the bundle file.
 """
 
 import queue
@@ -41,7 +42,7 @@ from sparseforge.errors import SparseforgeError
 from sparseforge.runtime.bundles import MERGE_GAP, BundleFile, ensure_bundles
 from sparseforge.runtime.pages import huge_empty
 from sparseforge.runtime.plan import PlanRequest, hot_counts, load_plan, make_plan, placement_ranks
-from sparseforge.runtime.sizes import human_bytes, parse_size
+from sparseforge.runtime.sizes import human_bytes, neuron_bytes, parse_size
 from sparseforge.runtime.tiered import COUNTERS, ReadJob, TieredUnit
 from sparseforge.runtime.units import MLPUnit
 from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader, resident_unit
@@ -62,11 +63,20 @@ class NeuronStore:
         if not 0.0 <= cache_fraction <= 1.0 or min_cold_slots < 1:
             raise SparseforgeError(f"cache_fraction {cache_fraction} must be in [0, 1] and min_cold_slots {min_cold_slots} >= 1")
         self.ckpt, self.plan, self.weight_dtype = Path(ckpt), plan, weight_dtype
-        self.file: BundleFile = ensure_bundles(ckpt, weight_dtype, build=build, progress=progress, io=io, verify=verify, merge_gap=merge_gap)
-        self.records = pair_slots and all(self.file.pairs(*key) for key in self.file.unit_rows)  # an arena of pair records (module docstring)
+        self.file: BundleFile | None = None
+        # every neuron fits at the plan's bytes a neuron (a pair record's half for tied halves): the resident engine's
+        # units hold them in no more, so no bundle file is built or opened
+        self.per_neuron, self.records = plan["bytes_per_neuron"], plan["bytes_per_neuron"] == neuron_bytes(plan["hidden_size"], weight_dtype, True)
+        neurons = len(plan["layers"]) * plan["num_experts"] * plan["intermediate_size"]
+        if pair_slots and plan["mlp"]["budget_bytes"] // self.per_neuron >= neurons:
+            self.hot, pool = split_slots(plan, self.ckpt, cache_fraction, min_cold_slots, self.per_neuron)  # all hot, no pool
+        else:
+            self.file = ensure_bundles(ckpt, weight_dtype, build=build, progress=progress, io=io, verify=verify, merge_gap=merge_gap)
+            self.records = pair_slots and all(self.file.pairs(*key) for key in self.file.unit_rows)  # an arena of pair records (module docstring)
+            per_slot = 2 if self.records else 1
+            self.per_neuron = (self.file.record_bytes(0, 0) if self.records else self.file.record) // per_slot  # a slot's bytes per neuron
+            self.hot, pool = split_slots(plan, self.ckpt, cache_fraction, min_cold_slots, self.per_neuron, self.records)
         rows, self.per_slot = (4, 2) if self.records else (3, 1)  # rows and neurons a slot holds
-        self.per_neuron = (self.file.record_bytes(0, 0) if self.records else self.file.record) // self.per_slot  # a slot's bytes per neuron
-        self.hot, pool = split_slots(plan, self.ckpt, cache_fraction, min_cold_slots, self.per_neuron, self.records)
         self.pool_slots = pool // self.per_slot
         self.offsets, at = {}, 0  # (layer, expert) -> (unit index, first arena slot of its hot range)
         for index, (key, ids) in enumerate(self.hot.items()):  # the units' hot ranges in key order, then the pool
@@ -104,6 +114,11 @@ class NeuronStore:
         index, offset = self.offsets[(layer, expert)]
         if self.resident:
             unit = resident_unit(layer, expert, reader or WeightReader(self.ckpt, self.weight_dtype))
+            held = sum(t.numel() * t.element_size() for t in (unit.bundles, unit.scales) if t is not None)
+            if held > unit.intermediate * self.per_neuron:
+                raise SparseforgeError(f"layer {layer}'s MLP takes {held} B in memory, the plan for {self.plan['fast_memory']} counted "
+                                       f"{self.per_neuron} B a neuron ({unit.intermediate * self.per_neuron} B); make the plan again: "
+                                       f"sparseforge plan {self.ckpt} --fast-memory {self.plan['fast_memory']} --dtype {self.weight_dtype}")  # fmt: skip
         else:
             unit = TieredUnit(self, layer, expert, index, offset, self.hot[(layer, expert)])
         self.units[index] = unit
@@ -159,7 +174,7 @@ class NeuronStore:
             "hot_neurons": sum(int(h.numel()) for h in self.hot.values()), "hot_slots": self.pool_start,
             "cache_slots": self.pool_slots, "slot_bytes": self.per_neuron * self.per_slot,
             "load_bytes": self.resident_bytes() if self.resident else sum(u.load_bytes for u in self.loaded()),
-            "io": self.file.io, "wait_seconds": self.wait_seconds, "io_seconds": self.io_seconds,
+            "io": self.file.io if self.file else None, "wait_seconds": self.wait_seconds, "io_seconds": self.io_seconds,
         }
 
     def close(self) -> None:
@@ -170,7 +185,8 @@ class NeuronStore:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
     def __enter__(self) -> "NeuronStore":
         return self

@@ -215,6 +215,18 @@ def test_moe_plan_per_expert(mixtral, tmp_path):
         write_powerinfer_gpu_index(plan, tmp_path / "pi")
 
 
+def test_a_resident_plan_counting_fewer_bytes_than_the_units_hold_is_refused(llama):
+    """A plan counting two rows a neuron (whole tied pairs) for a checkpoint whose halves are not tied: the resident
+    units hold three, more than the plan's MLP budget; loading names the plan to remake."""
+    from sparseforge.runtime.engine import Engine
+    from sparseforge.runtime.store import tiered_units
+
+    ckpt, _ = llama
+    plan = make_plan(ckpt, PlanRequest(parse_size("100%"), context=64, dtype="float32", tied=True))
+    with tiered_units(ckpt, plan, "float32", progress=False) as store, pytest.raises(SparseforgeError, match="MLP takes .* make the plan again"):
+        Engine.load(ckpt, mode="oracle", weight_dtype="float32", context=64, units=store, progress=False)
+
+
 # ---------------------------------------------------------------- files and CLI
 
 

@@ -198,14 +198,14 @@ def test_a_plan_holding_every_neuron_runs_the_resident_engine(llama, dtype):
     plan = _plan(llama, "100%", dtype)
     with tiered_units(llama, plan, dtype, progress=False) as store:
         engine = Engine.load(llama, mode="sparse", weight_dtype=dtype, context=64, units=store, progress=False)
-        assert store.resident and store._thread is None and store.bundles is None
+        assert store.resident and store._thread is None and store.bundles is None and store.file is None  # no bundle file built or opened
         assert all(isinstance(lw.units[0], ResidentUnit) for lw in engine.model.weights.layers)
         assert (engine.step.row is None) == (resident.step.row is None) and (engine.step.row is None or engine.step.row.lean is not None)
         tokens, logits = _greedy_and_logits(engine, prompt, 8)
         assert tokens == want_tokens
         torch.testing.assert_close(logits, want_logits, rtol=0, atol=0)
         s = engine.stats()["units"]
-        assert s["resident"] and s["hit_rate"] == 1.0 and s["requests"] == s["bytes_read"] == s["cache_slots"] == 0
+        assert s["resident"] and s["hit_rate"] == 1.0 and s["requests"] == s["bytes_read"] == s["cache_slots"] == 0 and s["io"] is None
         assert s["resident_bytes"] == s["hot_slots"] * s["slot_bytes"] == s["load_bytes"] <= plan["mlp"]["budget_bytes"]
         assert engine.stats()["resident_weight_bytes"] == resident.stats()["resident_weight_bytes"]
 
