@@ -138,6 +138,7 @@ class SplitUnit:
         self.hot, self.gate_up, self.down, self.inner, self.hot_pairs = hot, gate_up, down, inner, hot_pairs
         self.layer, self.expert, self.intermediate, self.hidden = inner.layer, inner.expert, inner.intermediate, inner.hidden
         self.tied = False  # part of the MLP is on the device
+        self.pair_requests = False  # requests name the CPU's neurons (`local`)
         self.local = torch.ones(self.intermediate, dtype=torch.bool)
         self.local[hot] = False
         self.local_ids = self.local.nonzero().flatten()

@@ -90,17 +90,17 @@ class SparseMLP:
         act = self.model.activations[layer]
         if p is not None:
             neurons = self._predict_row(layer, expert, p, resid, I)
-            if p.pairs and unit.tied:  # the predicted pairs of a resident unit of tied halves
-                return self._tied_row(unit, neurons, xn, act, y, scale)
+            if p.pairs and unit.pair_requests:  # the predicted pairs of tied halves held as pair records
+                return self._pairs_row(unit, neurons, xn, act, y, scale)
             neurons = p.neurons(neurons, I)
         elif mode == "screen":
             neurons = self._screen_row(layer, expert, xn)
             if self.model.screens[(layer, expert)].tied:  # the pairs the gate screen keeps
-                if unit.tied:
-                    return self._tied_row(unit, neurons, xn, act, y, scale)
+                if unit.pair_requests:
+                    return self._pairs_row(unit, neurons, xn, act, y, scale)
                 neurons = pair_neurons(neurons, I)
-        elif unit.tied:  # every pair of a resident unit of tied halves
-            return self._tied_row(unit, self._all_neurons(I // 2), xn, act, y, scale)
+        elif unit.pair_requests:  # every pair of tied halves held as pair records
+            return self._pairs_row(unit, self._all_neurons(I // 2), xn, act, y, scale)
         neurons = self._computed(unit, neurons)
         compute = self._record_pairs if unit.pairs else self._neurons
         for chunk in unit.order(neurons).split(unit.capacity) if neurons.numel() > unit.capacity else (neurons,):
@@ -129,10 +129,20 @@ class SparseMLP:
         if lone.size:
             kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, torch.from_numpy(s[lone]), xn, act, y, scale, counts, threads)
 
-    def _tied_row(self, unit, pairs: torch.Tensor, xn: torch.Tensor, act, y: torch.Tensor, scale: float) -> None:
-        """y += scale * MLP(xn) over both halves of `pairs` (ascending, < I/2) of a resident unit of tied halves, from one
-        gate and one up row each."""
-        kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, pairs, xn, act, y, scale, self.meter.rows_read, self.model.threads, tied=True)
+    def _pairs_row(self, unit, pairs: torch.Tensor, xn: torch.Tensor, act, y: torch.Tensor, scale: float) -> None:
+        """y += scale * MLP(xn) over both halves of `pairs` (ascending, < I/2) of tied halves held as pair records, from
+        one gate and one up row each (`unit.pair_requests`: a resident unit's records, slot = pair, or a neuron store's,
+        whose slots come with the request and whose missing records are computed once read)."""
+        def compute(slots: torch.Tensor) -> None:
+            kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, slots, xn, act, y, scale, self.meter.rows_read, self.model.threads, tied=True)
+
+        for chunk in unit.order(pairs).split(unit.capacity) if pairs.numel() > unit.capacity else (pairs,):
+            req = unit.request(chunk, pairs=True)
+            compute(req.ready_slots)
+            _, slots = req.wait()
+            if slots.numel():
+                compute(slots)
+            req.release()
         self.meter.native_mlp(2 * pairs.numel(), unit.intermediate, row_bytes(unit))
 
     def _predict_mlp_row(self, layer: int, expert: int, p, unit, xn: torch.Tensor, resid: torch.Tensor, scale: float, y: torch.Tensor) -> None:

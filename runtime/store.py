@@ -14,9 +14,10 @@ first, then the least recently used slots no open request holds, whichever unit'
 read on the store's reader thread; `wait()` blocks until they are in, `release()` lets the slots be evicted again.
 
 A bundle file of pair records (tied halves with pair predictors: runtime/bundles.py) fills an arena of pair records
-`[S, 4, H]`: a slot holds a pair, whichever of its halves a request names (slot s the first half, S + s the second,
-as the kernels list neurons of pair records), so a budget holds 1.5x the halves of bundles and each pair is computed
-from its one gate and one up row. Any other file fills an arena of bundles `[S, 3, H]`, a pair's halves in two slots.
+`[S, 4, H]`: a slot holds a pair, requested as a pair (`request(pairs, pairs=True)`: a tied screen's or pair
+predictors' lists) or by whichever of its halves a request names (slot s the first half, S + s the second, as the
+kernels list neurons of pair records), so a budget holds 1.5x the halves of bundles and each pair is computed from its
+one gate and one up row. Any other file fills an arena of bundles `[S, 3, H]`, a pair's halves in two slots.
 
 How the plan's fast memory is shared out (docs/runtime.md "Neuron store"): the MLP budget holds `mlp.budget_bytes // b`
 neurons, b a slot's bytes per neuron (a bundle; half a pair record). A fraction `cache_fraction` of them (at least

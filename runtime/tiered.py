@@ -50,6 +50,7 @@ class TieredUnit:
         self.pairs = f.pairs(layer, expert) and not self.records  # a pair record's halves scattered to two bundle slots
         self.record_bytes = f.record_bytes(layer, expert)
         self.keys = self.intermediate // 2 if self.records else self.intermediate  # what a slot holds: a pair, or a neuron
+        self.pair_requests = self.records  # request(pairs, pairs=True): pairs named by their record's slot (runtime/units.py)
         self.slot_of = np.full(self.keys, -1, dtype=np.int64)  # [keys] pair or neuron -> arena slot, -1 not resident
         self.jobs: list[ReadJob] = []
         self.counts = dict.fromkeys(COUNTERS, 0)
@@ -73,30 +74,35 @@ class TieredUnit:
         """File order: chunks of neighbouring records turn each chunk's misses into a few long reads."""
         return neurons[torch.from_numpy(np.argsort(self.position[neurons.numpy()], kind="stable"))]
 
-    def request(self, neurons: torch.Tensor) -> Request:
-        """neurons: LongTensor [k] of distinct neuron ids, k <= capacity."""
+    def request(self, neurons: torch.Tensor, pairs: bool = False) -> Request:
+        """neurons: LongTensor [k] of distinct neuron ids, k <= capacity; pairs (`pair_requests` units): distinct pair
+        ids of tied halves instead, answered with their records' slots (each counted as both its halves)."""
         s = self.store
         if s.closed:
             raise SparseforgeError("the neuron store was closed; load the engine again to run it")
+        if pairs and not self.pair_requests:
+            raise ValueError("request(pairs=True) needs an arena of pair records (unit.pair_requests)")
         ids = neurons.numpy().astype(np.int64, copy=False)
-        k = ids.size
+        k, w = ids.size, 2 if pairs else 1
         if k > self.capacity:
             raise ValueError(f"request for {k} neurons exceeds the unit's capacity {self.capacity}; split it into chunks")
         s.clock, c = s.clock + 1, self.counts
-        c["requests"], c["neurons"] = c["requests"] + 1, c["neurons"] + k
-        keys = self._key(ids)
+        c["requests"], c["neurons"] = c["requests"] + 1, c["neurons"] + w * k
+        keys = ids if pairs else self._key(ids)
+        named = (lambda _, slots: slots) if pairs else self._named  # the kernels' names of what the slots hold
         slots = self.slot_of[keys]
         cached = slots >= s.pool_start
         held = slots[cached]  # cached slots to pin; a pair's may come twice: an index assignment changes it once, pinning and unpinning alike
         resident = slots >= 0
         n_resident = int(np.count_nonzero(resident))
-        c["hot_hits"], c["cache_hits"], c["misses"] = c["hot_hits"] + n_resident - held.size, c["cache_hits"] + held.size, c["misses"] + k - n_resident
+        c["hot_hits"] += w * (n_resident - held.size)
+        c["cache_hits"], c["misses"] = c["cache_hits"] + w * held.size, c["misses"] + w * (k - n_resident)
         if held.size:
             s.pins[held] += 1
             s.last_use[held] = s.clock
         if n_resident == k and not s.loading[held].any():  # every neuron resident, no read in flight: nothing to wait for
-            named = torch.from_numpy(self._named(ids, slots))
-            return Request(neurons, named, None, lambda: self._unpin(held, [])) if held.size else Request(neurons, named)  # all hot: nothing pinned
+            at = torch.from_numpy(named(ids, slots))
+            return Request(neurons, at, None, lambda: self._unpin(held, [])) if held.size else Request(neurons, at)  # all hot: nothing pinned
         late = cached & s.loading[np.maximum(slots, 0)]  # cached, but an earlier request's read is still running
         ready = resident & ~late
         missing = ~resident
@@ -104,11 +110,11 @@ class TieredUnit:
         any_late = bool(late.any())
         waits = [j for j in self.jobs if not j.done.is_set()] if any_late else ([job] if job else [])
         pinned = np.concatenate([held, job.slots]) if job else held
-        ready_n, ready_s = torch.from_numpy(ids[ready]), torch.from_numpy(self._named(ids[ready], slots[ready]))
+        ready_n, ready_s = torch.from_numpy(ids[ready]), torch.from_numpy(named(ids[ready], slots[ready]))
         if not waits:
             return Request(ready_n, ready_s, None, lambda: self._unpin(pinned, []))
         rest_n = ids[late | missing]
-        rest_s = self._named(rest_n, self.slot_of[keys[late | missing]])  # the missing ones' slots were claimed by _load
+        rest_s = named(rest_n, self.slot_of[keys[late | missing]])  # the missing ones' slots were claimed by _load
         if job:  # queued last: the reader thread's Python then runs while the engine is in a kernel, not contending for the GIL here
             s.submit(job)
         return Request(ready_n, ready_s, lambda: self._wait(waits, rest_n, rest_s), lambda: self._unpin(pinned, waits))

@@ -74,8 +74,9 @@ class MLPUnit(Protocol):
     fixed_slots: torch.Tensor | None  # int64 [I]: each neuron's slot in bundles, always resident (-1: not local); None: ask request
     tied: bool  # tied halves, all resident, held as pair records
     pairs: bool  # tied halves in any two slots (a hybrid CPU part, a neuron store of bundles): slots holding j and I/2 + j are tied
+    pair_requests: bool  # request(pairs, pairs=True) takes pair ids of tied halves and answers their pair records' slots (a neuron store's arena)
 
-    def request(self, neurons: torch.Tensor) -> Request: ...
+    def request(self, neurons: torch.Tensor, pairs: bool = False) -> Request: ...
 
     def order(self, neurons: torch.Tensor) -> torch.Tensor:
         """The same neurons in the order to request them when they exceed `capacity` (a tiered unit: file
@@ -184,7 +185,12 @@ class ResidentUnit:
             bundles, scales = pair_records(bundles, scales, gate_plane)
         self.bundles, self.scales, self.channels = bundles, scales, channels
 
-    def request(self, neurons: torch.Tensor) -> Request:
+    @property
+    def pair_requests(self) -> bool:
+        """Tied halves: request(pairs, pairs=True) answers pair records' slots, slot = pair."""
+        return self.tied
+
+    def request(self, neurons: torch.Tensor, pairs: bool = False) -> Request:
         return Request(ready_neurons=neurons, ready_slots=neurons)
 
     def order(self, neurons: torch.Tensor) -> torch.Tensor:

@@ -359,6 +359,11 @@ def test_an_arena_of_pair_records_computes_listed_halves_as_the_resident_engine(
         held = unit.slot_of[[3, 5, 9]]
         assert (held >= store.pool_start).any() and not again.wait()[0].numel() and (store.pins[held[held >= store.pool_start]] == 1).all()
         again.release()
+        before = dict(unit.counts)
+        pairs = unit.request(torch.tensor([3, 5, 9]), pairs=True)  # the same records named by pair: their slots, each pinned once
+        assert pairs.ready_slots.tolist() == unit.slot_of[[3, 5, 9]].tolist() and not pairs.wait()[0].numel()
+        assert (store.pins[held[held >= store.pool_start]] == 1).all() and unit.counts["neurons"] - before["neurons"] == 6  # both halves each
+        pairs.release()
         assert (store.pins == 0).all()
     with tiered_units(ckpt, "25%", "float32", context=32, min_cold_slots=16, io="cached", progress=False, pair_slots=False) as store:
         assert not store.records and store.bundles.shape[1] == 3  # each half in a bundle slot of its own

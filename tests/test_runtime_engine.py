@@ -312,7 +312,7 @@ class _PermutedUnit:
         self.bundles, self.scales, self.channels = base.bundles[self.perm].contiguous(), None, None
         self.capacity, self.open, self.released = 16, 0, 0
         self.local = None  # every neuron is computed through this unit
-        self.fixed_slots, self.tied, self.pairs = None, False, False
+        self.fixed_slots, self.tied, self.pairs, self.pair_requests = None, False, False, False
 
     def order(self, neurons):
         return neurons.flip(0)

@@ -55,7 +55,8 @@ def test_open_engine_under_a_budget_screens_by_default_and_plans_for_it(tied_pai
 
 
 def test_a_tied_screen_over_disk_backed_units_equals_the_resident_one(tied_pairs_ckpt):
-    """Its pairs, as both halves' neurons for a neuron store's units, give the resident pair kernel's tokens and the HF logits."""
+    """Its pairs, requested as pairs from a neuron store's arena of pair records, give the resident pair kernel's tokens
+    and the HF logits."""
     (ckpt, model, _), ids = tied_pairs_ckpt, _ids(n=1, t=10, seed=4)
     with torch.no_grad():
         ref = model(ids).logits
