@@ -22,8 +22,10 @@ are tied halves (neuron I/2 + i: neuron i's gate row, minus its up row; train/ti
 records* instead of bundles, `bundles[p] = [gate_p; up_p; down_p; down_{I/2+p}]` ([I/2, 4, H], `pair_records`): each
 pair's gate and up rows once, two thirds of the halves' bundles' bytes. The kernels take a list of pairs over them
 (both halves from one gate and one up row: runtime/mlp.py) or of neurons, as its requests answer (each half alone,
-from its pair's rows). In the oracle mode, which lists every pair, the gate rows lie in a plane of their own, ahead of
-the other three rows of each record (`gate_plane`), so that its first pass reads them as one stream. A tiered unit (hot
+from its pair's rows); a unit holding pair records (`pair_requests`) is asked for the pairs themselves,
+`request(pairs, pairs=True)`, and answers their records' slots. In the oracle mode, which lists every pair, the gate
+rows lie in a plane of their own, ahead of the other three rows of each record (`gate_plane`), so that its first pass
+reads them as one stream. A tiered unit (hot
 neurons pinned, cold ones behind a cache over disk) implements the same interface. A request never asks
 for more than `capacity` neurons; callers with more (dense prefill under a small budget) split them into
 chunks (in `unit.order(neurons)`) and release each chunk before requesting the next.
@@ -74,7 +76,7 @@ class MLPUnit(Protocol):
     fixed_slots: torch.Tensor | None  # int64 [I]: each neuron's slot in bundles, always resident (-1: not local); None: ask request
     tied: bool  # tied halves, all resident, held as pair records
     pairs: bool  # tied halves in any two slots (a hybrid CPU part, a neuron store of bundles): slots holding j and I/2 + j are tied
-    pair_requests: bool  # request(pairs, pairs=True) takes pair ids of tied halves and answers their pair records' slots (a neuron store's arena)
+    pair_requests: bool  # request(pairs, pairs=True): pair ids of tied halves -> their records' slots (a resident tied unit, a store's pair records)
 
     def request(self, neurons: torch.Tensor, pairs: bool = False) -> Request: ...
 
