@@ -87,30 +87,25 @@ class SparseMLP:
         if p is not None and unit.fixed_slots is not None:
             self._predict_mlp_row(layer, expert, p, unit, xn, resid, scale, y)
             return
-        act = self.model.activations[layer]
+        act, pairs = self.model.activations[layer], False  # pairs: `neurons` lists pairs of tied halves
         if p is not None:
-            neurons = self._predict_row(layer, expert, p, resid, I)
-            if p.pairs and unit.pair_requests:  # the predicted pairs of tied halves held as pair records
-                return self._pairs_row(unit, neurons, xn, act, y, scale)
-            neurons = p.neurons(neurons, I)
+            neurons, pairs = self._predict_row(layer, expert, p, resid, I), p.pairs
         elif mode == "screen":
-            neurons = self._screen_row(layer, expert, xn)
-            if self.model.screens[(layer, expert)].tied:  # the pairs the gate screen keeps
-                if unit.pair_requests:
-                    return self._pairs_row(unit, neurons, xn, act, y, scale)
-                neurons = pair_neurons(neurons, I)
-        elif unit.pair_requests:  # every pair of tied halves held as pair records
-            return self._pairs_row(unit, self._all_neurons(I // 2), xn, act, y, scale)
-        neurons = self._computed(unit, neurons)
-        compute = self._record_pairs if unit.pairs else self._neurons
+            neurons, pairs = self._screen_row(layer, expert, xn), self.model.screens[(layer, expert)].tied
+        elif unit.pair_requests:  # every pair
+            neurons, pairs = self._all_neurons(I // 2), True
+        by_pair = pairs and unit.pair_requests  # held as pair records: asked for and computed a pair at a time
+        if not by_pair:
+            neurons = self._computed(unit, pair_neurons(neurons, I) if pairs else neurons)
+        compute = self._pairs if by_pair else self._record_pairs if unit.pairs else self._neurons
         for chunk in unit.order(neurons).split(unit.capacity) if neurons.numel() > unit.capacity else (neurons,):
-            req = unit.request(chunk)
+            req = unit.request(chunk, pairs=True) if by_pair else unit.request(chunk)  # only pair_requests units take pairs
             compute(unit, req.ready_neurons, req.ready_slots, xn, act, y, scale)
             ids, slots = req.wait()
             if slots.numel():
                 compute(unit, ids, slots, xn, act, y, scale)
             req.release()
-        self.meter.native_mlp(neurons.numel(), _width(unit), row_bytes(unit))
+        self.meter.native_mlp(neurons.numel() * (2 if by_pair else 1), _width(unit), row_bytes(unit))
 
     def _neurons(self, unit, ids: torch.Tensor, slots: torch.Tensor, xn: torch.Tensor, act, y: torch.Tensor, scale: float) -> None:
         """y += scale * MLP(xn) over the neurons at `slots`, one by one."""
@@ -129,21 +124,10 @@ class SparseMLP:
         if lone.size:
             kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, torch.from_numpy(s[lone]), xn, act, y, scale, counts, threads)
 
-    def _pairs_row(self, unit, pairs: torch.Tensor, xn: torch.Tensor, act, y: torch.Tensor, scale: float) -> None:
-        """y += scale * MLP(xn) over both halves of `pairs` (ascending, < I/2) of tied halves held as pair records, from
-        one gate and one up row each (`unit.pair_requests`: a resident unit's records, slot = pair, or a neuron store's,
-        whose slots come with the request and whose missing records are computed once read)."""
-        def compute(slots: torch.Tensor) -> None:
-            kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, slots, xn, act, y, scale, self.meter.rows_read, self.model.threads, tied=True)
-
-        for chunk in unit.order(pairs).split(unit.capacity) if pairs.numel() > unit.capacity else (pairs,):
-            req = unit.request(chunk, pairs=True)
-            compute(req.ready_slots)
-            _, slots = req.wait()
-            if slots.numel():
-                compute(slots)
-            req.release()
-        self.meter.native_mlp(2 * pairs.numel(), unit.intermediate, row_bytes(unit))
+    def _pairs(self, unit, pairs: torch.Tensor, slots: torch.Tensor, xn: torch.Tensor, act, y: torch.Tensor, scale: float) -> None:
+        """_neurons for pairs of tied halves in pair records (`unit.pair_requests`: slots answered to a pair request):
+        both halves of each from its record's one gate and one up row."""
+        kernels.sparse_mlp_native(unit.bundles, unit.scales, unit.channels, slots, xn, act, y, scale, self.meter.rows_read, self.model.threads, tied=True)
 
     def _predict_mlp_row(self, layer: int, expert: int, p, unit, xn: torch.Tensor, resid: torch.Tensor, scale: float, y: torch.Tensor) -> None:
         """_native_row's sparse mode with predictor p for a unit whose neurons have fixed slots (a hybrid engine's CPU

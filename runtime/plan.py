@@ -223,6 +223,12 @@ def make_plan(ckpt: str | Path, request: PlanRequest, exclude: dict[int, list[in
     }
 
 
+def holds_every_neuron(plan: dict, per_neuron: int | None = None) -> bool:
+    """Whether the plan's MLP budget holds every neuron at `per_neuron` bytes a neuron (default: the plan's own)."""
+    neurons = len(plan["layers"]) * plan["num_experts"] * plan["intermediate_size"]
+    return plan["mlp"]["budget_bytes"] // (per_neuron or plan["bytes_per_neuron"]) >= neurons
+
+
 def artifact_name(out: str) -> str:
     """'plan-25pct.json' | 'plan-25pct' -> 'plan-25pct' (write_artifact adds .json); must be a bare file name."""
     name = out[:-5] if out.endswith(".json") else out
@@ -306,7 +312,7 @@ def format_plan(plan: dict) -> str:
         f"({100 * plan['mlp']['resident_fraction']:.1f}%)",
         f"expected hit rate {_pct(plan['expected_hit_rate'])}, cold bytes/token {human_bytes(int(plan['expected_cold_bytes_per_token']))}",
     ]
-    if plan["mlp"]["hot_neurons"] >= plan["mlp"]["neurons"] and not plan.get("excluded"):
+    if holds_every_neuron(plan) and not plan.get("excluded"):
         lines.append("every neuron fits: an engine under this plan holds its MLPs in memory as without --fast-memory (no neuron store reads)")
     lines.append("layer  hot  hit %")
     lines += [f"{row['layer']:>5}  {row['hot_count']:>4}  {_pct(row['hit_rate'])}" for row in plan["layers"]]

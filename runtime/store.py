@@ -42,8 +42,8 @@ import torch
 from sparseforge.errors import SparseforgeError
 from sparseforge.runtime.bundles import MERGE_GAP, BundleFile, ensure_bundles
 from sparseforge.runtime.pages import huge_empty
-from sparseforge.runtime.plan import PlanRequest, hot_counts, load_plan, make_plan, placement_ranks
-from sparseforge.runtime.sizes import human_bytes, neuron_bytes, parse_size
+from sparseforge.runtime.plan import PlanRequest, holds_every_neuron, hot_counts, load_plan, make_plan, placement_ranks
+from sparseforge.runtime.sizes import human_bytes, parse_size
 from sparseforge.runtime.tiered import COUNTERS, ReadJob, TieredUnit
 from sparseforge.runtime.units import MLPUnit
 from sparseforge.runtime.weights import WEIGHT_DTYPES, WeightReader, resident_unit
@@ -67,9 +67,8 @@ class NeuronStore:
         self.file: BundleFile | None = None
         # every neuron fits at the plan's bytes a neuron (a pair record's half for tied halves): the resident engine's
         # units hold them in no more, so no bundle file is built or opened
-        self.per_neuron, self.records = plan["bytes_per_neuron"], plan["bytes_per_neuron"] == neuron_bytes(plan["hidden_size"], weight_dtype, True)
-        neurons = len(plan["layers"]) * plan["num_experts"] * plan["intermediate_size"]
-        if pair_slots and plan["mlp"]["budget_bytes"] // self.per_neuron >= neurons:
+        self.per_neuron, self.records = plan["bytes_per_neuron"], bool(plan.get("tied_pairs"))
+        if pair_slots and holds_every_neuron(plan):
             self.hot, pool = split_slots(plan, self.ckpt, cache_fraction, min_cold_slots, self.per_neuron)  # all hot, no pool
         else:
             self.file = ensure_bundles(ckpt, weight_dtype, build=build, progress=progress, io=io, verify=verify, merge_gap=merge_gap)
@@ -215,9 +214,9 @@ def split_slots(plan: dict, ckpt: Path, cache_fraction: float, min_cold_slots: i
     for row in plan["layers"]:
         for ex in row.get("experts", [{"expert": 0, "hot": row.get("hot", [])}]):
             plan_hot[(row["layer"], ex["expert"])] = torch.tensor(ex["hot"], dtype=torch.long)
-    total = plan["mlp"]["budget_bytes"] // per_neuron
-    if total >= len(keys) * width:  # everything fits: all hot, no cache
+    if holds_every_neuron(plan, per_neuron):  # all hot, no cache
         return {k: plan_hot[k] for k in keys}, 0
+    total = plan["mlp"]["budget_bytes"] // per_neuron
     least = 2 * min(min_cold_slots, width // 2) if pairs else min(min_cold_slots, width)
     total -= total % 2 if pairs else 0
     if total < least:

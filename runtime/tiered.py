@@ -83,13 +83,12 @@ class TieredUnit:
         if pairs and not self.pair_requests:
             raise ValueError("request(pairs=True) needs an arena of pair records (unit.pair_requests)")
         ids = neurons.numpy().astype(np.int64, copy=False)
-        k, w = ids.size, 2 if pairs else 1
+        k, w = ids.size, 2 if pairs else 1  # a pair id (< keys) is its record's key and the kernels' name of its slot; it counts as both halves
         if k > self.capacity:
             raise ValueError(f"request for {k} neurons exceeds the unit's capacity {self.capacity}; split it into chunks")
         s.clock, c = s.clock + 1, self.counts
         c["requests"], c["neurons"] = c["requests"] + 1, c["neurons"] + w * k
-        keys = ids if pairs else self._key(ids)
-        named = (lambda _, slots: slots) if pairs else self._named  # the kernels' names of what the slots hold
+        keys = self._key(ids)
         slots = self.slot_of[keys]
         cached = slots >= s.pool_start
         held = slots[cached]  # cached slots to pin; a pair's may come twice: an index assignment changes it once, pinning and unpinning alike
@@ -101,8 +100,8 @@ class TieredUnit:
             s.pins[held] += 1
             s.last_use[held] = s.clock
         if n_resident == k and not s.loading[held].any():  # every neuron resident, no read in flight: nothing to wait for
-            at = torch.from_numpy(named(ids, slots))
-            return Request(neurons, at, None, lambda: self._unpin(held, [])) if held.size else Request(neurons, at)  # all hot: nothing pinned
+            named = torch.from_numpy(self._named(ids, slots))
+            return Request(neurons, named, None, lambda: self._unpin(held, [])) if held.size else Request(neurons, named)  # all hot: nothing pinned
         late = cached & s.loading[np.maximum(slots, 0)]  # cached, but an earlier request's read is still running
         ready = resident & ~late
         missing = ~resident
@@ -110,11 +109,11 @@ class TieredUnit:
         any_late = bool(late.any())
         waits = [j for j in self.jobs if not j.done.is_set()] if any_late else ([job] if job else [])
         pinned = np.concatenate([held, job.slots]) if job else held
-        ready_n, ready_s = torch.from_numpy(ids[ready]), torch.from_numpy(named(ids[ready], slots[ready]))
+        ready_n, ready_s = torch.from_numpy(ids[ready]), torch.from_numpy(self._named(ids[ready], slots[ready]))
         if not waits:
             return Request(ready_n, ready_s, None, lambda: self._unpin(pinned, []))
         rest_n = ids[late | missing]
-        rest_s = named(rest_n, self.slot_of[keys[late | missing]])  # the missing ones' slots were claimed by _load
+        rest_s = self._named(rest_n, self.slot_of[keys[late | missing]])  # the missing ones' slots were claimed by _load
         if job:  # queued last: the reader thread's Python then runs while the engine is in a kernel, not contending for the GIL here
             s.submit(job)
         return Request(ready_n, ready_s, lambda: self._wait(waits, rest_n, rest_s), lambda: self._unpin(pinned, waits))

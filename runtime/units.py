@@ -78,7 +78,7 @@ class MLPUnit(Protocol):
     pairs: bool  # tied halves in any two slots (a hybrid CPU part, a neuron store of bundles): slots holding j and I/2 + j are tied
     pair_requests: bool  # request(pairs, pairs=True): pair ids of tied halves -> their records' slots (a resident tied unit, a store's pair records)
 
-    def request(self, neurons: torch.Tensor, pairs: bool = False) -> Request: ...
+    def request(self, neurons: torch.Tensor) -> Request: ...  # pair_requests units also take pairs=True
 
     def order(self, neurons: torch.Tensor) -> torch.Tensor:
         """The same neurons in the order to request them when they exceed `capacity` (a tiered unit: file
