@@ -1,9 +1,10 @@
-"""Load a benchmarks/ script as a module (they are scripts, not a package)."""
+"""The repository's folders for tests, and benchmarks/ scripts loaded as modules (they are scripts, not a package)."""
 
 import importlib.util
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
+BENCHMARKS = ROOT / "benchmarks"
 
 
 def load_script(name: str):

@@ -6,9 +6,9 @@ import json
 import runpy
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from scripts import BENCHMARKS
 from tiny import tiny_model, tiny_tokenizer
 
 from sparseforge.cli import build_parser, main
@@ -94,8 +94,7 @@ def test_every_subcommand_has_help():
 
 def test_every_benchmark_has_help(capsys, monkeypatch):
     """`python benchmarks/X.py --help` exits 0 and shows its options, for every benchmark script (run in-process)."""
-    root = Path(__file__).resolve().parents[1] / "benchmarks"
-    scripts = sorted(p for p in root.glob("*.py") if p.name != "common.py" and "argparse" in p.read_text())
+    scripts = sorted(p for p in BENCHMARKS.glob("*.py") if p.name != "common.py" and "argparse" in p.read_text())
     for path in scripts:
         monkeypatch.setattr(sys, "argv", [str(path), "--help"])
         with pytest.raises(SystemExit) as exit_:

@@ -3,9 +3,8 @@ says where it does not."""
 
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from scripts import ROOT
 
 
 def test_ruff_check_passes():

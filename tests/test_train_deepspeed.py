@@ -5,13 +5,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
+from scripts import ROOT
 from tiny import tiny_recipe
-
-ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs sparseforge[train] (deepspeed)")
 
