@@ -105,3 +105,27 @@ def test_auto_precision_takes_bf16_where_the_cpu_multiplies_it_natively(monkeypa
     assert precision.resolve_mixed_precision("no", cpu) == "no" and precision.resolve_mixed_precision("bf16", cpu) == "bf16"
     assert precision.device_settings(cpu, "auto")["teacher_dtype"] == (torch.bfloat16 if amx else torch.float32)
     assert precision.device_settings(cpu, "float32")["teacher_dtype"] == torch.float32
+    assert precision.stage1_bf16_products("bf16", cpu) is amx  # stage 1 multiplies in bf16 only where it is native
+    assert not precision.stage1_bf16_products("no", cpu)
+
+
+def test_bf16_products_multiply_in_bf16_and_restore_the_setting():
+    """Inside `bf16_products(True)` float32 matmuls use oneDNN's bf16 fpmath mode (float32 tensors in and out), and
+    `float32_products()` inside it multiplies in float32 again; each previous mode comes back afterwards, also after an
+    error; `bf16_products(False)` and `float32_products()` outside one change nothing."""
+    from sparseforge.train.precision import bf16_products, float32_products
+
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    with bf16_products(False), float32_products():
+        assert matmul.fp32_precision == before
+    with pytest.raises(RuntimeError):
+        with bf16_products(True):
+            assert matmul.fp32_precision == "bf16"
+            a = torch.randn(64, 64)
+            assert (a @ a).dtype == torch.float32
+            with float32_products():
+                assert matmul.fp32_precision == "ieee"
+            assert matmul.fp32_precision == "bf16"
+            raise RuntimeError("inside")
+    assert matmul.fp32_precision == before

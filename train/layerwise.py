@@ -37,6 +37,10 @@ scaled to mean 1 (`"stream"`: an output error counts as much as it moves the RMS
 reads). Unweighted, the first token of a window (an attention sink, its stream far larger than the others') carries
 most of some layers' squared output, and their reported error is mostly that token's.
 
+Precision: float32 tensors throughout; with `bf16_products` (train/precision.py: where bf16 is native to the CPU and
+the recipe's mixed precision is bf16) each layer's MLP work multiplies in bf16 with float32 accumulation, while the
+attention that makes the MLP inputs stays float32.
+
 Only MLP weights change. Dense-MLP families only (MoE experts are left to end-to-end training).
 """
 
@@ -50,6 +54,7 @@ from tqdm.auto import tqdm
 
 from sparseforge.errors import SparseforgeError
 from sparseforge.sparsify.threshold import LargestPositive
+from sparseforge.train.precision import bf16_products, float32_products
 from sparseforge.train.thresholds import THRESHOLD_TOKENS
 
 _CHUNK = 4096  # tokens per matmul when streaming over all tokens of a layer
@@ -70,6 +75,7 @@ class LayerwiseSettings:
     seed: int = 0
     ridge: float = 1e-3  # the refit's lam as a fraction of the mean diagonal of H^T H
     weights: str = "uniform"  # uniform: plain squared error; stream: each token's weighted by 1 / its stream's mean square
+    bf16_products: bool = False  # each layer's MLP work multiplies in bf16 with float32 accumulation (train/precision.py)
 
 
 class _Capture(nn.Module):
@@ -97,10 +103,11 @@ def _attention_part(model, layer: int, stream: torch.Tensor, batch: int) -> tupl
     xs, rs = [], []
     block.mlp = capture
     try:
-        for i in range(0, len(stream), batch):
-            h = stream[i : i + batch]
-            rs.append(block(h, attention_mask=None, position_embeddings=_rotary(model, h)))  # no mask: full causal windows
-            xs.append(capture.inputs)
+        with float32_products():  # the inputs the MLP will see, as the model computes them
+            for i in range(0, len(stream), batch):
+                h = stream[i : i + batch]
+                rs.append(block(h, attention_mask=None, position_embeddings=_rotary(model, h)))  # no mask: full causal windows
+                xs.append(capture.inputs)
     finally:
         block.mlp = mlp
     return torch.cat(xs), torch.cat(rs)
@@ -288,47 +295,48 @@ def distill_layerwise(student, teacher, windows: torch.Tensor, settings: Layerwi
         stream = source.model.embed_tokens(windows)  # [N, S, H]
         dense = teacher.model.embed_tokens(windows) if s.target == "stream" else None  # the teacher's stream
     stats = []
-    for l in tqdm(range(len(student.model.layers)), desc="layer-wise distillation", disable=not progress):
-        start = time.perf_counter()
-        x, residual = _attention_part(source, l, stream, s.forward_batch)
-        x = x.reshape(-1, x.shape[-1])  # [T, H]
-        teacher_mlp, mlp = teacher.model.layers[l].mlp, student.model.layers[l].mlp
-        pre = None  # the teacher's and then the student's pre-activations, computed once for the target, init and output
-        keep = s.init != "none" and 2 * len(x) * mlp.gate_proj.weight.shape[0] * x.element_size() <= LSQ_CACHE_BYTES
-        if dense is None:
-            y, pre = _teacher_pass(teacher_mlp, x, keep)  # [T, H]
-        else:
-            tx, tr = _attention_part(teacher, l, dense, s.forward_batch)
-            dense = tr + _apply(teacher_mlp, tx.reshape(-1, tx.shape[-1])).reshape(tr.shape)
-            y = (dense - residual).reshape(-1, x.shape[-1])
-            del tx, tr
-        w = token_weights(residual.reshape(y.shape), y, s.weights)
-        probe = slice(None, None, -(-len(x) // DIAG_TOKENS))  # the diagnostics' tokens (training uses all of them)
-        xp, yp, wp = x[probe], y[probe], w[probe]
-        row = {"layer": l, "rel_mse_before": _rel_mse(mlp, xp, yp, wp)}
-        if s.init != "none":
-            picked, gate_sign, up_sign, pre = _rebuild(mlp, teacher_mlp, x, w, s.init, pre, keep)
-        if s.target_zeros is not None:
-            row.update(_set_threshold(mlp, x, s.target_zeros))
-        if s.init != "none":
-            _refit_down(mlp, x, y, w, teacher_mlp.down_proj.weight[:, picked] * (gate_sign * up_sign)[None, :], pre, s.ridge)
-            row["flipped"] = int((up_sign < 0).sum())
-            row["negative_gate"] = int((gate_sign < 0).sum())
-            row["both_halves"] = int(len(picked) - picked.unique().numel())  # teacher neurons read with both signs
-            row["rel_mse_init"] = _rel_mse(mlp, xp, yp, wp)
-        if s.epochs:
-            pre = None  # Adam moves gate and up
-            _fit(mlp, x, y, w, s, s.seed + l)
-            if s.target_zeros is not None:  # Adam moved the products: the threshold again, for the target exactly
-                row["threshold"] = _set_threshold(mlp, x, s.target_zeros)["threshold"]
-        if s.target_zeros is not None:
-            row["zero_fraction_after"] = _zero_fraction(mlp, xp)
-        out = y if s.inputs == "teacher" else _output(mlp, x, pre)  # what the stream moves on with
-        del pre
-        row["rel_mse_after"] = _rel_mse(mlp, xp, yp, wp) if s.inputs == "teacher" else _rel_err(out[probe], yp, wp)
-        stream = residual + out.reshape(residual.shape)
-        del x, y, w, xp, yp, wp, out, residual
-        row["seconds"] = time.perf_counter() - start
-        stats.append(row)
+    with bf16_products(s.bf16_products):  # the MLPs' work (attention makes their inputs in float32: _attention_part)
+        for l in tqdm(range(len(student.model.layers)), desc="layer-wise distillation", disable=not progress):
+            start = time.perf_counter()
+            x, residual = _attention_part(source, l, stream, s.forward_batch)
+            x = x.reshape(-1, x.shape[-1])  # [T, H]
+            teacher_mlp, mlp = teacher.model.layers[l].mlp, student.model.layers[l].mlp
+            pre = None  # the teacher's and then the student's pre-activations, computed once for the target, init and output
+            keep = s.init != "none" and 2 * len(x) * mlp.gate_proj.weight.shape[0] * x.element_size() <= LSQ_CACHE_BYTES
+            if dense is None:
+                y, pre = _teacher_pass(teacher_mlp, x, keep)  # [T, H]
+            else:
+                tx, tr = _attention_part(teacher, l, dense, s.forward_batch)
+                dense = tr + _apply(teacher_mlp, tx.reshape(-1, tx.shape[-1])).reshape(tr.shape)
+                y = (dense - residual).reshape(-1, x.shape[-1])
+                del tx, tr
+            w = token_weights(residual.reshape(y.shape), y, s.weights)
+            probe = slice(None, None, -(-len(x) // DIAG_TOKENS))  # the diagnostics' tokens (training uses all of them)
+            xp, yp, wp = x[probe], y[probe], w[probe]
+            row = {"layer": l, "rel_mse_before": _rel_mse(mlp, xp, yp, wp)}
+            if s.init != "none":
+                picked, gate_sign, up_sign, pre = _rebuild(mlp, teacher_mlp, x, w, s.init, pre, keep)
+            if s.target_zeros is not None:
+                row.update(_set_threshold(mlp, x, s.target_zeros))
+            if s.init != "none":
+                _refit_down(mlp, x, y, w, teacher_mlp.down_proj.weight[:, picked] * (gate_sign * up_sign)[None, :], pre, s.ridge)
+                row["flipped"] = int((up_sign < 0).sum())
+                row["negative_gate"] = int((gate_sign < 0).sum())
+                row["both_halves"] = int(len(picked) - picked.unique().numel())  # teacher neurons read with both signs
+                row["rel_mse_init"] = _rel_mse(mlp, xp, yp, wp)
+            if s.epochs:
+                pre = None  # Adam moves gate and up
+                _fit(mlp, x, y, w, s, s.seed + l)
+                if s.target_zeros is not None:  # Adam moved the products: the threshold again, for the target exactly
+                    row["threshold"] = _set_threshold(mlp, x, s.target_zeros)["threshold"]
+            if s.target_zeros is not None:
+                row["zero_fraction_after"] = _zero_fraction(mlp, xp)
+            out = y if s.inputs == "teacher" else _output(mlp, x, pre)  # what the stream moves on with
+            del pre
+            row["rel_mse_after"] = _rel_mse(mlp, xp, yp, wp) if s.inputs == "teacher" else _rel_err(out[probe], yp, wp)
+            stream = residual + out.reshape(residual.shape)
+            del x, y, w, xp, yp, wp, out, residual
+            row["seconds"] = time.perf_counter() - start
+            stats.append(row)
     student.train(was_training)
     return stats

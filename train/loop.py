@@ -41,7 +41,7 @@ from sparseforge.train.layerwise import LayerwiseSettings, distill_layerwise
 from sparseforge.train.metrics import MetricsLog
 from sparseforge.train.mixture import build_mixture, validation_windows
 from sparseforge.train.objective import LayerTap, Objective, model_validation_loss, teacher_outputs, validation_loss
-from sparseforge.train.precision import device_settings, resolve_mixed_precision
+from sparseforge.train.precision import device_settings, resolve_mixed_precision, stage1_bf16_products
 from sparseforge.train.recipe import Recipe
 from sparseforge.train.schedules import lr_multiplier, ramp
 from sparseforge.train.tokens import check_sources
@@ -179,15 +179,18 @@ def _stage1_zeros(r: Recipe) -> float | None:
     return r.target_zeros if r.layerwise_target_zeros is None else r.layerwise_target_zeros
 
 
-def _stage1(r: Recipe, model, teacher, mixture, device, progress: bool) -> dict:
-    """Layer-wise MLP distillation on the first layerwise_tokens of the mixture; returns its record."""
+def _stage1(r: Recipe, model, teacher, mixture, device, mixed_precision: str, progress: bool) -> dict:
+    """Layer-wise MLP distillation on the first layerwise_tokens of the mixture; returns its record. mixed_precision:
+    the accelerator's (resolved), which decides whether stage 1 multiplies in bf16 (train/precision.py)."""
     windows = torch.as_tensor(mixture.next_batch(-(-r.layerwise_tokens // r.seq_len)), device=device)  # [N, S]
     settings = LayerwiseSettings(r.layerwise_epochs, r.layerwise_lr, r.layerwise_batch_tokens, r.layerwise_inputs,
                                  r.layerwise_target, r.layerwise_init, r.micro_batch_size,
-                                 _stage1_zeros(r), r.seed, r.layerwise_ridge, r.layerwise_weights)
+                                 _stage1_zeros(r), r.seed, r.layerwise_ridge, r.layerwise_weights,
+                                 stage1_bf16_products(mixed_precision, device))
     start = time.perf_counter()
     stats = distill_layerwise(model, teacher, windows, settings, progress)
-    return {"stage": "layerwise", "step": 0, "tokens": windows.numel(), "seconds": time.perf_counter() - start, "layers": stats}
+    return {"stage": "layerwise", "step": 0, "tokens": windows.numel(), "seconds": time.perf_counter() - start,
+            "bf16_products": settings.bf16_products, "layers": stats}
 
 
 def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> Path | None:
@@ -249,7 +252,8 @@ def train(r: Recipe, resume: bool = False, progress: bool = True, stop_after: in
     stage1_thresholds = None  # stage 1's per-layer stats, when it set the target_zeros thresholds
     if r.layerwise_tokens and latest is None:  # a resumed state already holds the stage-1 weights
         before = model_validation_loss(model, val, device, r.micro_batch_size)
-        record = _stage1(r, model, teacher, build_mixture(r.sources, seq_len=r.seq_len, seed=r.seed, **data), device, progress and main)
+        record = _stage1(r, model, teacher, build_mixture(r.sources, seq_len=r.seq_len, seed=r.seed, **data), device,
+                         accelerator.mixed_precision, progress and main)
         record.update(val_loss_before=before, val_loss_after=(val_loss_now := model_validation_loss(model, val, device, r.micro_batch_size)))
         log.write({k: v for k, v in record.items() if k != "layers"})
         if main:
