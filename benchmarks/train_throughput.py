@@ -7,10 +7,11 @@ skipped (layerwise_tokens=0): it is timed by its own log line in a real run.
 
 Model FLOPs per token (PaLM's accounting, no recomputation counted): the student's forward 2N + 4·L·d·S, its
 backward 2N + 8·L·d·S for activation gradients plus 2·N_trainable for weight gradients, and the teacher's forward
-2N_teacher + 4·L·d·S, where N counts every weight a token is multiplied by (the LM head included, the embedding lookup
-not; with tied neuron halves one gate and one up row per pair, and the teacher at its own, dense width), L layers, d the attention width, S the sequence length. MFU divides achieved FLOP/s by the device's peak:
-the datasheet dense figure for known GPUs at the step's precision, and on a CPU the matmul rate measured here at the
-step's precision (float32, or bf16 under bf16 autocast; so "MFU" there is the fraction of what this CPU's matmul reaches).
+2N_teacher + 4·L·d·S, where N counts every weight a token is multiplied by (the LM head included, the embedding
+lookup not; with tied neuron halves one gate and one up row per pair; the teacher at its own, dense width), L layers,
+d the attention width, S the sequence length. MFU divides achieved FLOP/s by the device's peak: the datasheet dense
+figure for known GPUs at the step's precision, and on a CPU the matmul rate measured here at the step's precision
+(float32, or bf16 under bf16 autocast; so "MFU" there is the fraction of what this CPU's matmul reaches).
 
     python benchmarks/train_throughput.py --config recipes/smollm2-135m-drelu.yaml --steps 6 --warmup 2
     python benchmarks/train_throughput.py --config recipes/smollm2-135m-drelu-gpu.yaml --set micro_batch_size=32 --steps 20
