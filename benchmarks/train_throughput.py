@@ -136,10 +136,7 @@ def main(argv=None) -> int:
     peak_flops, peak_source = peak(device, start["mixed_precision"], torch.get_num_threads())
     tokens_per_s = tokens_per_step / step_s
     result = {
-        "command": "python benchmarks/train_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "environment": {**env, "device": start["device"], "distributed_type": start["distributed_type"],
-                        "num_processes": start["num_processes"], "mixed_precision": start["mixed_precision"]},
-        "recipe": {k: v for k, v in recipe.to_dict().items() if k not in ("stages", "output_dir")},
+        **_run(argv, env, start, recipe),
         "tokens_per_step": tokens_per_step,
         "step_seconds": [round(s["step_seconds"], 4) for s in steps],
         "median_step_seconds": step_s,
@@ -158,6 +155,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def _run(argv, env: dict, start: dict, recipe) -> dict:
+    """The command, the environment (with the run's device and precision from its start line) and the recipe."""
+    return {
+        "command": "python benchmarks/train_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "environment": {**env, **{k: start[k] for k in ("device", "distributed_type", "num_processes", "mixed_precision")}},
+        "recipe": {k: v for k, v in recipe.to_dict().items() if k not in ("stages", "output_dir")},
+    }
+
+
 def stage1(args, argv, env: dict) -> int:
     """--stage1: run the recipe up to the end of stage 1 and its thresholds, and write its record."""
     from sparseforge.train.loop import train
@@ -169,14 +175,11 @@ def stage1(args, argv, env: dict) -> int:
         if not recipe.layerwise_tokens:
             raise SystemExit("train_throughput.py --stage1: the recipe has layerwise_tokens: 0 (no stage 1); set it, e.g. --set layerwise_tokens=32768")
         train(recipe, progress=False)
-        lines = read_metrics(Path(tmp) / "run" / "metrics.jsonl")
-        layers = json.loads((Path(tmp) / "run" / "layerwise.json").read_text())["layers"]
-    start = next(line for line in lines if line.get("event") == "start")
-    record = next(line for line in lines if line.get("stage") == "layerwise")
+        start = next(line for line in read_metrics(Path(tmp) / "run" / "metrics.jsonl") if line.get("event") == "start")
+        record = json.loads((Path(tmp) / "run" / "layerwise.json").read_text())  # stage 1's record with its layers
+    layers = record["layers"]
     result = {
-        "command": "python benchmarks/train_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "environment": {**env, "device": start["device"], "mixed_precision": start["mixed_precision"]},
-        "recipe": {k: v for k, v in recipe.to_dict().items() if k not in ("stages", "output_dir")},
+        **_run(argv, env, start, recipe),
         "stage1_seconds": record["seconds"],
         "tokens": record["tokens"],
         "bf16_products": record["bf16_products"],

@@ -9,7 +9,8 @@ elsewhere:
   them emulates bf16, which is slower than float32, so `auto` stays float32 there.
 
 Stage 1 (train/layerwise.py) keeps float32 tensors whatever the setting: under bf16 autocast, whose outputs are
-bf16, its per-layer Adam fits on SmolLM2-135M came out far worse than in float32, and each layer's error fed the next.
+bf16, its per-layer Adam fits on SmolLM2-135M came out far worse than in float32 (a run not kept as a results file),
+and each layer's error fed the next.
 Where `mixed_precision` resolves to bf16 on a CPU that multiplies bf16 natively, each layer's MLP work (the target,
 the init, the thresholds, the least-squares refit and the Adam fit) multiplies in bf16 with float32 accumulation and
 float32 outputs (`bf16_products`, oneDNN's fpmath mode), while attention, which makes the MLP's inputs, stays float32:
