@@ -115,6 +115,7 @@ def environment(threads: int) -> dict:
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "machine": platform.processor() or platform.machine(),
         "cpu": cpu_model(),
+        "cpu_vector_isa": cpu_vector_isa(),
         "cpus": os.cpu_count(),
         "threads": threads,
         "loadavg_start": os.getloadavg(),
@@ -149,6 +150,20 @@ def cpu_model() -> str | None:
         return None
     name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), None)
     return None if name is None else name + (" (AMX)" if native_bf16("cpu") else "")
+
+
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_vector_isa(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str] | None:
+    """The CPU's vector and matrix extensions among VECTOR_FLAGS (Linux; None elsewhere): hosts of one model name
+    differ in them, and the kernels and matmuls a run gets follow them."""
+    try:
+        info = cpuinfo.read_text()
+    except OSError:
+        return None
+    flags = next((set(line.split(":", 1)[1].split()) for line in info.splitlines() if line.startswith("flags")), set())
+    return [f for f in VECTOR_FLAGS if f in flags]
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:

@@ -50,3 +50,13 @@ def test_ratios_give_each_row_the_sparse_speedup_and_its_multiple_of_the_referen
     assert [r["sparse_speedup"] for r in rows] == [1.0, 1.5, 2.0, 3.0]
     assert rows[1]["sparse_speedup_paired"] == 1.5
     assert [r["over_reference"] for r in rows] == [2.0, 20.0 / 15.0, 1.0, None]  # llama.cpp rows are not sparseforge's
+
+
+def test_results_name_the_cpu_s_vector_extensions(tmp_path):
+    """Hosts of one model name ("AMD EPYC") differ in AVX-512 and AMX, so every results file lists what this CPU has."""
+    common = load_script("common")
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx fma f16c avx2 amx_tile\n")
+    assert common.cpu_vector_isa(info) == ["avx2", "fma", "amx_tile"]
+    assert common.cpu_vector_isa(tmp_path / "absent") is None
+    assert common.environment(1)["cpu_vector_isa"] == common.cpu_vector_isa()
